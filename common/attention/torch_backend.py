@@ -1,0 +1,82 @@
+"""Torch reference attention backend (the CPU path, and the reference the Triton kernels are
+tested against).
+
+Decodes are batched: their context is gathered from the paged cache into a padded dense tensor
+and attended with one SDPA call (key-padding mask). Prefill / extend requests are done one at a
+time: a prompt chunk with no cached prefix attends to its own keys (causal SDPA, no gather); a
+chunk with a prefix gathers its blocks and uses an offset causal mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.common.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
+    """Dense K, V [kv_heads, seq_len, head_dim] of one request from the paged cache."""
+    block_size = kv_cache.shape[2]
+    n_blocks = (seq_len + block_size - 1) // block_size
+    blocks = kv_cache[:, block_table[:n_blocks].long()]  # [2, n, bs, kvh, d]
+    kv = blocks.flatten(1, 2)[:, :seq_len]  # [2, L, kvh, d]
+    return kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+
+
+def _decode(query, kv_cache, meta: AttentionMetadata, scale):
+    """query [D, heads, d] -> [D, heads, d] for the first D=num_decodes requests."""
+    n = meta.num_decodes
+    block_size = kv_cache.shape[2]
+    max_len = max(meta.seq_lens_cpu[:n])
+    n_blocks = (max_len + block_size - 1) // block_size
+    tables = meta.block_tables[:n, :n_blocks].long()  # [D, nb]
+    kv = kv_cache[:, tables]  # [2, D, nb, bs, kvh, d]
+    kv = kv.flatten(2, 3)[:, :, :max_len]  # [2, D, L, kvh, d]
+    k = kv[0].transpose(1, 2)  # [D, kvh, L, d]
+    v = kv[1].transpose(1, 2)
+    seq_lens = meta.seq_lens[:n].long()
+    mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]  # [D, L]
+    q = query.unsqueeze(2)  # [D, heads, 1, d]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def _prefill_one(q, k_new, v_new, kv_cache, block_table, seq_len, scale):
+    """q [Q, heads, d] of a chunk whose last token sits at position seq_len - 1."""
+    q_len = q.shape[0]
+    qh = q.transpose(0, 1)  # [heads, Q, d]
+    if q_len == seq_len:  # no cached prefix: attend to the chunk itself
+        k, v = k_new.transpose(0, 1), v_new.transpose(0, 1)
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=True)
+    else:
+        k, v = gather_kv(kv_cache, block_table, seq_len)
+        # query i sits at position seq_len - q_len + i and sees keys 0 .. that position
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [Q, L]
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale,
+                                             enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def write_kv(self, key, value, kv_cache, slot_mapping):
+        flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])  # [2, slots, kvh, d]
+        flat[0].index_copy_(0, slot_mapping, key)
+        flat[1].index_copy_(0, slot_mapping, value)
+
+    def forward(self, query, key, value, kv_cache, meta, scale):
+        out = torch.empty_like(query)
+        n_dec = meta.num_decodes
+        if n_dec:
+            out[:n_dec] = _decode(query[:n_dec], kv_cache, meta, scale)
+        loc = meta.query_start_loc.tolist() if meta.num_reqs > n_dec else ()
+        for i in range(n_dec, meta.num_reqs):
+            s, e = loc[i], loc[i + 1]
+            out[s:e] = _prefill_one(query[s:e], key[s:e], value[s:e], kv_cache,
+                                    meta.block_tables[i], meta.seq_lens_cpu[i], scale)
+        return out

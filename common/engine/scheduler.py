@@ -1,0 +1,124 @@
+"""Continuous-batching scheduler with a per-step token budget, chunked prefill and preemption by
+recompute.
+
+Each step:
+1. Running requests, oldest first, get their next tokens (1 for a decode, the next chunk for a
+   prompt still being computed), within the token budget. When the pool cannot hold a running
+   request's new tokens, the newest running request is preempted (its blocks freed, its progress
+   dropped; full blocks stay in the prefix cache) until the allocation fits.
+2. If nobody was preempted, waiting requests are admitted in order while the budget, the
+   sequence limit and the pool allow; each starts after its longest prefix-cache hit. A prompt
+   larger than the remaining budget is split across steps (chunked prefill).
+A request with a chunk scheduled samples a token only when the chunk reaches its last token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pdserve.common.engine.request import Request, RequestStatus
+from pdserve.common.kv.kv_cache_manager import KVCacheManager
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = max_num_batched_tokens
+        self.chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.token_budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, n) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    return budget
+            out.scheduled.append((req, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits, n_cached = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - n_cached
+            if n > budget:
+                if not self.chunked_prefill:
+                    return
+                n = budget
+            if self.kv.allocate_slots(req, n, hits) is None:
+                return
+            self.waiting.popleft()
+            req.num_computed_tokens = n_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = n_cached
+            req.transition(RequestStatus.RUNNING)
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.transition(RequestStatus.PREEMPTED)
+        req.transition(RequestStatus.WAITING)
+        self.waiting.appendleft(req)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Optional[Request]:
+        """End a request in any state (FINISHED or CANCELLED), free its blocks, reclaim it."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.transition(status)
+        self.kv.free(req)
+        req.transition(RequestStatus.RECLAIMED)
+        return req
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)

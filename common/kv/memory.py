@@ -1,0 +1,55 @@
+"""KV memory planning: how many blocks a KV budget buys."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+
+def available_memory_bytes(device: str = "cpu") -> int:
+    """Free memory the KV cache may draw from: MemAvailable on the host, free HBM on CUDA."""
+    if str(device).startswith("cuda"):
+        import torch
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    budget_bytes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
+                f"{self.num_tokens} tokens, {self.num_blocks * self.bytes_per_block / 2**20:.1f} "
+                f"MiB ({self.bytes_per_block} bytes/block)")
+
+
+def plan_kv_blocks(bytes_per_token: int, block_size: int, *, budget_bytes: Optional[int] = None,
+                   fraction: float = 0.2, num_blocks: Optional[int] = None,
+                   device: str = "cpu") -> KVPlan:
+    """Number of blocks from an explicit count, a byte budget, or a fraction of free memory."""
+    per_block = bytes_per_token * block_size
+    if num_blocks is None:
+        if budget_bytes is None:
+            budget_bytes = int(available_memory_bytes(device) * fraction)
+        num_blocks = budget_bytes // per_block
+    if num_blocks < 1:
+        raise ValueError(f"KV budget of {budget_bytes} bytes holds no block of {per_block} bytes")
+    plan = KVPlan(num_blocks, block_size, per_block, budget_bytes or num_blocks * per_block)
+    logger.info("%s", plan.describe())
+    return plan

@@ -1,0 +1,155 @@
+"""Llama-family decoder (Llama, SmolLM, Mistral-like; Qwen2 through `qkv_bias`).
+
+The forward takes a flat batch of T tokens from many requests (prefill chunks and decode tokens
+packed together) with their positions; attention reads and writes the paged KV cache through
+an `AttentionBackend`. Weights load by Hugging Face names (`load_weights`).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from pdserve.common.attention.backend import AttentionBackend, AttentionMetadata
+from pdserve.common.config import ModelConfig
+from pdserve.common.models.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+                                          QKVParallelLinear, RowParallelLinear)
+from pdserve.common.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rope: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_heads, cfg.num_kv_heads,
+                                                            cfg.head_dim)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.backend, self.rope = backend, rope
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (h + 2 kvh) d]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, h, d]
+        return self.o_proj(out.reshape(t, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size,
+                                                       [cfg.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, backend, rope):
+        super().__init__()
+        self.self_attn = Attention(cfg, backend, rope)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, kv_cache, meta):
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# HF parameter name fragment -> (our fused parameter, shard id)
+_STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"),
+            ("v_proj", "qkv_proj", "v"), ("gate_proj", "gate_up_proj", 0),
+            ("up_proj", "gate_up_proj", 1))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.config = cfg
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                               cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rope)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] (fp32)."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face named weights; every parameter must be covered exactly once."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            name, shard = _fused_name(name)
+            if name not in params:
+                raise ValueError(f"unexpected weight {hf_name!r}")
+            param = params[name]
+            loader = getattr(self.get_submodule(name.rsplit(".", 1)[0]), "weight_loader", None)
+            tensor = tensor.to(param.dtype)
+            if loader is not None:
+                loader(param, tensor, shard)
+            else:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            loaded.add(name if shard is None else f"{name}:{shard}")
+        self._check_complete(loaded)
+
+    def _check_complete(self, loaded: set[str]) -> None:
+        expected = set()
+        for name, _ in self.named_parameters():
+            stacked = [s for frag, fused, s in _STACKED if f".{fused}." in f".{name}"]
+            if name.endswith(".bias") and "qkv_proj" in name:
+                stacked = ["q", "k", "v"]
+            expected.update(f"{name}:{s}" for s in stacked) if stacked else expected.add(name)
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"missing weights: {sorted(missing)[:5]} ({len(missing)} in all)")
+
+
+def _fused_name(name: str):
+    for frag, fused, shard in _STACKED:
+        if f".{frag}." in name:
+            return name.replace(f".{frag}.", f".{fused}."), shard
+    return name, None

@@ -1,0 +1,1 @@
+"""Code the gRPC services share: the asyncio wrapper around EngineCore, conversions."""
