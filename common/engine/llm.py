@@ -15,9 +15,10 @@ Messages = list[dict]
 
 
 class LLM:
-    def __init__(self, config: Optional[EngineConfig] = None, **kwargs):
-        """`LLM(EngineConfig(...))` or `LLM(model="smollm2", ...)` (EngineConfig fields)."""
-        self.engine = EngineCore(config or EngineConfig(**kwargs))
+    def __init__(self, config: Optional[EngineConfig] = None, loaded=None, **kwargs):
+        """`LLM(EngineConfig(...))` or `LLM(model="smollm2", ...)` (EngineConfig fields);
+        `loaded` reuses an already loaded `LoadedModel` (several engines, one load)."""
+        self.engine = EngineCore(config or EngineConfig(**kwargs), loaded)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
