@@ -1,0 +1,31 @@
+# The README's commands. Each installs what it needs into .venv first (idempotent).
+PY      := .venv/bin/python
+PIP     := .venv/bin/pip
+STAMP   := .venv/.installed
+PYTEST_ARGS ?=
+
+.PHONY: run test setup proto bench gpu-check clean
+
+run: setup
+	.venv/bin/pdserve up --model smollm2
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $(STAMP)
+
+proto: setup
+	bash scripts/gen_proto.sh
+
+bench: setup
+	.venv/bin/pdserve bench offline --num-prompts 64 --input-len 256 --output-len 128
+
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf .venv build *.egg-info

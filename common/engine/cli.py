@@ -1,0 +1,77 @@
+"""`pdserve generate`: offline generation from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.common.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="smollm2, tiny, a GGUF file or HF dir")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--num-threads", type=int, default=2, help="torch threads")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--kv-cache-fraction", type=float, default=0.2)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+
+
+def engine_config(args) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, attention_backend=args.attention_backend, device=args.device,
+        num_threads=args.num_threads,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+                          kv_cache_fraction=args.kv_cache_fraction,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=args.max_model_len))
+
+
+def add_generate_subcommand(sub) -> None:
+    p = sub.add_parser("generate", help="generate text offline with the engine")
+    add_engine_args(p)
+    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args) -> int:
+    from pdserve.common.engine.llm import LLM
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            seed=args.seed, stop=tuple(args.stop), logprobs=args.logprobs)
+    llm = LLM(engine_config(args))
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+    else:
+        outs = llm.generate(args.prompt, params)
+    for prompt, out in zip(args.prompt, outs):
+        if args.json:
+            rec = {"prompt": prompt, "prompt_token_ids": out.prompt_token_ids,
+                   "token_ids": out.token_ids, "text": out.text,
+                   "finish_reason": out.finish_reason.value if out.finish_reason else None}
+            if out.logprobs is not None:
+                rec["logprobs"] = [lp.logprob for lp in out.logprobs]
+            print(json.dumps(rec), flush=True)
+        else:
+            print(out.text, flush=True)
+    return 0

