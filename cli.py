@@ -1,5 +1,33 @@
-"""The `pdserve` command line."""
+"""The `pdserve` command line: one parser, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pdserve.services.cli_serve import add_subcommands as add_serving
+
+    parser = argparse.ArgumentParser(prog="pdserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serving(sub)  # up, serve
+    from pdserve.common.engine.cli import add_generate_subcommand
+    add_generate_subcommand(sub)
+    bench = sub.add_parser("bench", help="benchmarks; each ends with one JSON line")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from pdserve.bench.offline import add_offline_subcommand
+    add_offline_subcommand(bench_sub)
+    return parser
 
 
 def main(argv=None) -> int:
-    raise SystemExit("pdserve: no commands yet")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # a config refused its settings
+        parser.error(str(exc))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -64,6 +64,8 @@ class Request:
         self.history: list[RequestStatus] = [RequestStatus.WAITING]
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache, at first schedule
+        self.num_external_tokens = 0  # tokens loaded through the KV connector
+        self.kv_params: dict = {}  # connector hints from the caller (e.g. stored block count)
         self.block_hashes: list[BlockHash] = []  # hashes of full blocks of all_token_ids
         self.num_preemptions = 0
         self.finish_reason: Optional[FinishReason] = None

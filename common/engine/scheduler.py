@@ -10,6 +10,12 @@ Each step:
    sequence limit and the pool allow; each starts after its longest prefix-cache hit. A prompt
    larger than the remaining budget is split across steps (chunked prefill).
 A request with a chunk scheduled samples a token only when the chunk reaches its last token.
+
+With a KV connector, a newly admitted request whose next blocks can be loaded from outside gets
+blocks for them and waits in WAITING_FOR_KV (using no token budget) until the connector reports
+the load finished (it resumes after the loaded tokens) or failed (it resumes after the blocks
+that did load, and recomputes the rest). Blocks a connector still reads (a save in flight) or
+writes (a cancelled load) are held until it reports them done.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pdserve.common.engine.kv_connector import KVConnector
 from pdserve.common.engine.request import Request, RequestStatus
 from pdserve.common.kv.kv_cache_manager import KVCacheManager
 
@@ -34,8 +41,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True,
+                 connector: Optional[KVConnector] = None):
         self.kv = kv
+        self.connector = connector
+        self.kv_waiting: dict[str, Request] = {}  # WAITING_FOR_KV
+        self.held: dict[str, Request] = {}  # ended, blocks still in the connector's hands
+        self.num_load_failures = 0
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill
@@ -51,9 +63,11 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.held)
 
     def schedule(self) -> SchedulerOutput:
+        if self.connector is not None:
+            self._poll_connector()
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.token_budget)
         if not out.preempted:
@@ -79,7 +93,15 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hits, n_cached = self.kv.get_computed_blocks(req)
+            if self.kv.req_blocks.get(req.request_id):  # its KV was loaded from outside
+                hits, n_cached = [], req.num_computed_tokens
+            else:
+                hits, n_cached = self.kv.get_computed_blocks(req)
+                ext = self._external_tokens(req, n_cached)
+                if ext:
+                    if not self._start_load(req, hits, n_cached, ext):
+                        return
+                    continue
             n = req.num_tokens - n_cached
             if n > budget:
                 if not self.chunked_prefill:
@@ -96,6 +118,49 @@ class Scheduler:
             out.scheduled.append((req, n))
             budget -= n
 
+    def _external_tokens(self, req: Request, n_cached: int) -> int:
+        if self.connector is None:
+            return 0
+        bs = self.kv.block_size
+        limit = (req.num_tokens - 1) // bs * bs - n_cached  # leave a token to compute
+        ext = min(self.connector.get_num_new_matched_tokens(req, n_cached), limit)
+        return max(ext, 0) // bs * bs
+
+    def _start_load(self, req: Request, hits, n_cached: int, ext: int) -> bool:
+        if self.kv.allocate_slots(req, ext, hits) is None:
+            return False
+        self.waiting.popleft()
+        req.num_computed_tokens = n_cached
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = n_cached
+        req.num_external_tokens = ext
+        req.transition(RequestStatus.WAITING_FOR_KV)
+        self.kv_waiting[req.request_id] = req
+        self.connector.update_state_after_alloc(req, self.kv.block_ids(req.request_id),
+                                                n_cached, ext)
+        return True
+
+    def _poll_connector(self) -> None:
+        saved, loaded = self.connector.get_finished()
+        failed = self.connector.get_failed_loads()
+        for rid in saved:
+            if rid in self.held:
+                self._reclaim(self.held.pop(rid))
+        for rid in list(loaded) + list(failed):
+            if rid in self.held:  # cancelled while loading: the blocks are free to go now
+                self._reclaim(self.held.pop(rid))
+                continue
+            req = self.kv_waiting.pop(rid, None)
+            if req is None:
+                continue
+            if rid in failed:
+                self.num_load_failures += 1
+                req.num_computed_tokens += failed[rid] // self.kv.block_size * self.kv.block_size
+            else:
+                req.num_computed_tokens += req.num_external_tokens
+            req.transition(RequestStatus.WAITING)
+            self.waiting.appendleft(req)
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.num_computed_tokens = 0
@@ -110,14 +175,22 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        loading = self.kv_waiting.pop(request_id, None) is not None
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req in self.waiting:
+        elif not loading and req in self.waiting:
             self.waiting.remove(req)
         req.transition(status)
+        if loading or (self.connector is not None and self.connector.request_finished(
+                req, self.kv.block_ids(request_id))):
+            self.held[request_id] = req  # the connector still uses its blocks
+        else:
+            self._reclaim(req)
+        return req
+
+    def _reclaim(self, req: Request) -> None:
         self.kv.free(req)
         req.transition(RequestStatus.RECLAIMED)
-        return req
 
     @property
     def num_waiting_tokens(self) -> int:

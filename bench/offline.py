@@ -1,0 +1,160 @@
+"""`pdserve bench offline`: our engine vs Hugging Face transformers' batched `generate`, same
+prompts, same thread count, in one run, with the fp32 matmul ceiling measured in the same run.
+
+Ceiling: the workload's matmul FLOPs (prompt tokens x 2 x non-embedding matmul parameters, plus
+output tokens x 2 x all matmul parameters including the LM head) at the fp32 matmul rate this
+machine reaches at the model's own shapes (prefill shapes for prompt FLOPs, decode shapes for
+output FLOPs). ceiling_fraction = that ideal time / our time. Figures are medians over
+--repeats runs; the last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from pdserve.common.config import ModelConfig
+
+
+def add_offline_subcommand(sub) -> None:
+    p = sub.add_parser("offline", help="offline throughput vs transformers and the fp32 ceiling")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--batch1", action="store_true", help="single-stream decode: one prompt "
+                   "at a time (uses --num-prompts prompts, default 4 in this mode)")
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--skip-hf", action="store_true", help="only our engine (no ratio)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run_offline)
+
+
+def matmul_shapes(cfg: ModelConfig) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """(out, in) of the per-layer matmuls, and of the LM head."""
+    d, h = cfg.head_dim, cfg.hidden_size
+    layer = [((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), (h, cfg.num_heads * d),
+             (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
+    return layer, (cfg.vocab_size, h)
+
+
+def matmul_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(non-embedding matmul parameters, LM head parameters)."""
+    layer, head = matmul_shapes(cfg)
+    return cfg.num_layers * sum(o * i for o, i in layer), head[0] * head[1]
+
+
+def measure_rate(cfg: ModelConfig, m: int, with_head: bool, repeats: int = 5) -> float:
+    """fp32 matmul FLOP/s over one forward's worth of the model's matmuls at M = m rows."""
+    layer, head = matmul_shapes(cfg)
+    shapes = layer + ([head] if with_head else [])
+    ws = [torch.randn(o, i) for o, i in shapes]
+    xs = {i: torch.randn(m, i) for _, i in shapes}
+    flops = sum(2 * m * o * i for o, i in shapes)
+    times = []
+    for r in range(repeats + 1):
+        t = time.perf_counter()
+        for w in ws:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+        if r:  # the first pass warms up
+            times.append(time.perf_counter() - t)
+    return flops / statistics.median(times)
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab - 10, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def run_ours(llm, prompts, output_len: int, batch1: bool) -> float:
+    from pdserve.common.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.engine.pool.reset_prefix_cache()  # every repeat computes its prompts
+    t = time.perf_counter()
+    groups = [[p] for p in prompts] if batch1 else [prompts]
+    n_out = sum(len(o.token_ids) for g in groups for o in llm.generate(g, params))
+    if n_out != len(prompts) * output_len:
+        raise RuntimeError(f"expected {len(prompts) * output_len} tokens, got {n_out}")
+    return time.perf_counter() - t
+
+
+def build_hf(loaded):
+    from pdserve.bench.hf_peer import hf_model_from_loaded
+    return hf_model_from_loaded(loaded)
+
+
+def run_hf(hf, prompts, output_len: int, batch1: bool) -> float:
+    from pdserve.bench.hf_peer import hf_generate
+    t = time.perf_counter()
+    groups = [[p] for p in prompts] if batch1 else [prompts]
+    for g in groups:
+        hf_generate(hf, g, output_len)
+    return time.perf_counter() - t
+
+
+def run_offline(args) -> int:
+    from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.common.engine.llm import LLM
+    from pdserve.common.models.registry import load_model
+
+    torch.set_num_threads(args.num_threads)
+    n_prompts = 4 if args.batch1 and args.num_prompts == 64 else args.num_prompts
+    loaded = load_model(args.model)
+    cfg = loaded.config
+    prompts = random_prompts(n_prompts, args.input_len, cfg.vocab_size, args.seed)
+    concurrency = 1 if args.batch1 else n_prompts
+    tokens_needed = concurrency * (args.input_len + args.output_len)
+    llm = LLM(EngineConfig(
+        model=args.model, num_threads=args.num_threads,
+        cache=CacheConfig(num_blocks=tokens_needed // 16 + 2 * concurrency + 16),
+        scheduler=SchedulerConfig(max_num_seqs=concurrency,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=args.input_len + args.output_len + 16)),
+        loaded=loaded)
+    hf = None if args.skip_hf else build_hf(loaded)
+    ours, theirs = [], []
+    for _ in range(args.repeats):  # interleaved, so drift hits both alike
+        ours.append(run_ours(llm, prompts, args.output_len, args.batch1))
+        if hf is not None:
+            theirs.append(run_hf(hf, prompts, args.output_len, args.batch1))
+    report(args, cfg, n_prompts, concurrency, ours, theirs)
+    return 0
+
+
+def report(args, cfg, n_prompts, concurrency, ours, theirs) -> None:
+    body, head = matmul_params(cfg)
+    n_in, n_out = n_prompts * args.input_len, n_prompts * args.output_len
+    prefill_m = min(args.max_num_batched_tokens, concurrency * args.input_len)
+    rate_prefill = measure_rate(cfg, prefill_m, with_head=False)
+    rate_decode = measure_rate(cfg, concurrency, with_head=True)
+    ideal = n_in * 2 * body / rate_prefill + n_out * 2 * (body + head) / rate_decode
+    t_ours = statistics.median(ours)
+    res = {
+        "model": args.model, "num_prompts": n_prompts, "input_len": args.input_len,
+        "output_len": args.output_len, "batch1": args.batch1, "num_threads": args.num_threads,
+        "repeats": args.repeats,
+        "pdserve_s": t_ours, "pdserve_output_tok_s": n_out / t_ours,
+        "matmul_gflops_prefill": rate_prefill / 1e9, "matmul_gflops_decode": rate_decode / 1e9,
+        "ceiling_output_tok_s": n_out / ideal, "ceiling_fraction": ideal / t_ours,
+    }
+    if theirs:
+        t_hf = statistics.median(theirs)
+        res.update(hf_s=t_hf, hf_output_tok_s=n_out / t_hf, ratio=t_hf / t_ours)
+    rows = [("engine", "time s", "output tok/s"),
+            ("pdserve", f"{t_ours:.2f}", f"{n_out / t_ours:.1f}")]
+    if theirs:
+        rows.append(("transformers", f"{res['hf_s']:.2f}", f"{res['hf_output_tok_s']:.1f}"))
+    rows.append(("fp32 ceiling", f"{ideal:.2f}", f"{n_out / ideal:.1f}"))
+    for r in rows:
+        print(f"{r[0]:<14}{r[1]:>10}{r[2]:>14}")
+    if theirs:
+        print(f"ratio pdserve/transformers: {res['ratio']:.2f}")
+    print(f"ceiling fraction: {res['ceiling_fraction']:.2f}  (matmul GFLOP/s prefill "
+          f"{rate_prefill / 1e9:.0f}, decode {rate_decode / 1e9:.0f})")
+    print(json.dumps(res), flush=True)

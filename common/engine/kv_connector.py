@@ -1,0 +1,73 @@
+"""The KV connector protocol the engine calls; `connector/` implements it (dependencies point
+down: common never imports connector).
+
+Two halves, as in vLLM's KV connector:
+
+Scheduler side (called by the Scheduler, single-threaded, between steps)
+- `get_num_new_matched_tokens(request, num_computed_tokens)`: how many tokens past
+  num_computed_tokens can be loaded from outside (whole blocks only). No side effects.
+- `update_state_after_alloc(request, block_ids, num_computed_tokens, num_external_tokens)`: the
+  scheduler allocated blocks for those tokens; the connector starts loading them. The request
+  waits in WAITING_FOR_KV until the load is reported finished or failed.
+- `request_finished(request, block_ids) -> bool`: True when the connector still reads those
+  blocks (a save in flight); the engine then keeps them allocated until `get_finished` reports
+  the request among the finished saves.
+
+Worker side (called by the ModelRunner around the forward)
+- `register_kv_caches(kv_caches)` once; `begin_step(batch)`, `save_layer(layer, kv_cache)` after
+  each layer's attention, `end_step()` after the forward. A producer copies the blocks that
+  became full in this step out of each layer as the forward goes, so saving overlaps compute.
+- `get_finished() -> (saved request ids, loaded request ids)` and `get_failed_loads() ->
+  {request id: tokens that did load}`; every load ends in exactly one of the two.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pdserve.common.engine.request import Request
+
+
+class KVConnector(abc.ABC):
+    # -- scheduler side --------------------------------------------------------------------
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+        ...
+
+    @abc.abstractmethod
+    def update_state_after_alloc(self, request: "Request", block_ids: list[int],
+                                 num_computed_tokens: int, num_external_tokens: int) -> None:
+        ...
+
+    @abc.abstractmethod
+    def request_finished(self, request: "Request", block_ids: list[int]) -> bool:
+        ...
+
+    # -- worker side -----------------------------------------------------------------------
+    @abc.abstractmethod
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        ...
+
+    def begin_step(self, batch: list[tuple["Request", int, list[int]]]) -> None:
+        """batch: (request, new tokens this step, its block ids), before the forward."""
+
+    def save_layer(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
+        """After layer layer_idx wrote this step's K/V into kv_cache."""
+
+    def end_step(self) -> None:
+        """After the whole forward."""
+
+    @abc.abstractmethod
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        ...
+
+    @abc.abstractmethod
+    def get_failed_loads(self) -> dict[str, int]:
+        ...
+
+    def close(self) -> None:
+        """Stop background work; pending saves may be dropped."""

@@ -1,0 +1,139 @@
+"""`pdserve up` (the whole stack, one process per service) and `pdserve serve <service>`.
+
+`add_subcommands(subparsers)` adds both to the top-level `pdserve` parser; each parsed
+namespace carries `func`, which runs the command and returns the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+
+def add_subcommands(subparsers) -> None:
+    up = subparsers.add_parser("up", help="start the whole stack (router + engines) locally")
+    up.add_argument("--mode", choices=["colocated"], default="colocated",
+                    help="colocated: one unified engine (prefill and decode in one process)")
+    up.add_argument("--model", default="smollm2", help="smollm2, tiny, a GGUF file or HF dir")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000, help="router HTTP (OpenAI API)")
+    up.add_argument("--grpc-port", type=int, default=50051, help="router gRPC (Generate)")
+    up.add_argument("--engine-port", type=int, default=0, help="engine gRPC; 0 -> a free port")
+    up.add_argument("--log-dir", default=None, help="default: a new folder under /tmp")
+    up.add_argument("--startup-timeout", type=float, default=300.0)
+    _engine_args(up)
+    up.set_defaults(func=_run_up)
+
+    serve = subparsers.add_parser("serve", help="run one service in the foreground")
+    which = serve.add_subparsers(dest="service", required=True)
+    router = which.add_parser("router", help="OpenAI-compatible HTTP + gRPC router")
+    router.add_argument("--model", default="smollm2", help="where the tokenizer comes from")
+    router.add_argument("--served-model-name", default="")
+    router.add_argument("--backends", default="127.0.0.1:50061",
+                        help="comma-separated host:port of unified engine instances")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--grpc-port", type=int, default=50051, help="-1 -> no gRPC API")
+    router.add_argument("--health-interval", type=float, default=1.0)
+    router.add_argument("--max-n", type=int, default=8)
+    router.set_defaults(func=_run_router)
+    for name, port, roles in (("decode", 50061, ["unified", "decode"]),
+                              ("prefill", 50071, ["prefill"])):
+        p = which.add_parser(name, help=f"{name} engine instance (gRPC)")
+        p.add_argument("--role", choices=roles, default=roles[0])
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--port", type=int, default=port)
+        p.add_argument("--model", default="smollm2")
+        _engine_args(p)
+        p.set_defaults(func=_run_engine)
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tiny-seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads per engine")
+    p.add_argument("--cpus", default="", help="pin the engine to cores, e.g. 0,1")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+
+
+def engine_argv(args) -> list[str]:
+    """The engine options of `args` as command-line words (the launcher passes them on)."""
+    argv = ["--tiny-seed", str(args.tiny_seed), "--num-threads", str(args.num_threads),
+            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--block-size", str(args.block_size)]
+    if args.cpus:
+        argv += ["--cpus", args.cpus]
+    if args.num_blocks is not None:
+        argv += ["--num-blocks", str(args.num_blocks)]
+    if args.kv_cache_bytes is not None:
+        argv += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    return argv
+
+
+def _setup_logging() -> None:
+    from pdserve.services.launcher import die_with_parent
+
+    die_with_parent()  # a no-op unless `pdserve up` started us
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _run_engine(args) -> int:
+    from pdserve.services.common.engine_server import run_engine_server
+    from pdserve.services.common.engine_service_config import EngineServiceConfig
+
+    _setup_logging()
+    cfg = EngineServiceConfig(
+        role=args.role, host=args.host, port=args.port, model=args.model,
+        tiny_seed=args.tiny_seed, num_threads=args.num_threads,
+        cpus=tuple(int(c) for c in args.cpus.split(",") if c),
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes)
+    asyncio.run(run_engine_server(cfg))
+    return 0
+
+
+def _run_router(args) -> int:
+    from pdserve.services.router.config import RouterConfig
+    from pdserve.services.router.server import run_router
+
+    _setup_logging()
+    import torch  # the tokenizer loader imports it; keep it off the other services' cores
+
+    torch.set_num_threads(1)
+    cfg = RouterConfig(
+        model=args.model, served_model_name=args.served_model_name,
+        backends=tuple(b.strip() for b in args.backends.split(",") if b.strip()),
+        host=args.host, port=args.port, grpc_port=args.grpc_port,
+        health_interval_s=args.health_interval, max_n=args.max_n)
+    asyncio.run(run_router(cfg))
+    return 0
+
+
+def _run_up(args) -> int:
+    from pdserve.services.launcher import run_up
+
+    return run_up(args)
+
+
+def main(argv=None) -> int:
+    """Entry point for these subcommands alone (`python -m pdserve.services.cli_serve`)."""
+    parser = argparse.ArgumentParser(prog="pdserve")
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # a config refused its settings
+        parser.error(str(exc))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

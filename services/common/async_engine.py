@@ -1,0 +1,181 @@
+"""AsyncEngine: drives one EngineCore on its own thread and streams its outputs to asyncio.
+
+Lifecycle: construct with a built EngineCore (loading a model is slow and happens before the
+service reports healthy), `start(loop)` spawns the engine thread, `submit()` hands requests to
+it, `stop()` fails every open stream and joins the thread. EngineCore is not thread-safe, so
+the engine thread is the only one that touches it: the event loop sends commands through a
+thread-safe queue, and the engine thread sends outputs back with `call_soon_threadsafe`, one
+callback per step. The engine thread never waits on a reader (RequestStream coalesces instead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from pdserve.common.engine.outputs import EngineStats, FinishReason, RequestOutput
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.services.common.request_stream import RequestStream
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (a step raised, or the service is shutting down)."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    stream: RequestStream
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    def __init__(self, core, max_pending_outputs: int = 8, idle_poll_s: float = 0.5):
+        self.core = core
+        self._max_pending = max_pending_outputs
+        self._idle_poll_s = idle_poll_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._stats: EngineStats = core.stats()  # replaced (never mutated) by the engine thread
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._dead: Optional[BaseException] = None
+        self.num_aborted = 0  # unfinished requests aborted by their readers (engine thread)
+        self.num_finished = 0  # requests that ended by stop or length (engine thread)
+
+    # --- event loop side ---
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int],
+                     params: SamplingParams) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it.
+
+        Raises ValueError when the engine refuses the request (and nothing is left behind),
+        EngineDeadError when the engine is gone. Callers must `close()` the stream.
+        """
+        if not self.healthy:
+            raise EngineDeadError("engine is not running")
+        stream = RequestStream(request_id, self._max_pending, self._abort)
+        self._commands.put(_Add(stream, list(prompt_token_ids), params))
+        try:
+            await stream.wait_accepted()
+        except BaseException:
+            stream.close()  # cancelled while queued: the abort follows the add
+            raise
+        return stream
+
+    def _abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    # --- engine thread ---
+    def _run(self) -> None:
+        try:
+            while True:
+                busy = self.core.has_unfinished_requests()
+                if not self._drain(block=not busy):
+                    break
+                if self.core.has_unfinished_requests():
+                    self._publish(self.core.step())
+                self._stats = self.core.stats()
+        except BaseException as exc:  # a broken engine must not hang its clients
+            log.exception("engine loop died")
+            self._dead = exc
+        self._fail_all(self._dead or EngineDeadError("engine stopped"))
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; False when told to stop."""
+        try:
+            cmd = self._commands.get(timeout=self._idle_poll_s) if block \
+                else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd is _STOP:
+                return False
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, cmd) -> None:
+        if isinstance(cmd, _Abort):
+            if self._streams.pop(cmd.request_id, None) is not None:
+                self.num_aborted += 1
+            self.core.abort_request(cmd.request_id)
+            return
+        stream = cmd.stream
+        rid = stream.request_id
+        try:
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already running")
+            self.core.add_request(rid, cmd.prompt_token_ids, cmd.params)
+        except ValueError as exc:
+            self._loop.call_soon_threadsafe(stream.fail, exc)
+            return
+        self._streams[rid] = stream
+        self._loop.call_soon_threadsafe(stream.accept)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        batch = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted by its reader; nobody listens
+            if out.finished:
+                del self._streams[out.request_id]
+                self.num_finished += out.finish_reason != FinishReason.ABORT
+            batch.append((stream, out))
+        if batch:
+            self._loop.call_soon_threadsafe(_deliver, batch)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        while True:  # requests queued but never taken fail too
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                streams.append(cmd.stream)
+        err = exc if isinstance(exc, EngineDeadError) else EngineDeadError(repr(exc))
+        for stream in streams:
+            try:
+                self._loop.call_soon_threadsafe(stream.fail, err)
+            except RuntimeError:
+                pass  # the loop is already closed
+
+
+def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in batch:
+        stream.put(out)

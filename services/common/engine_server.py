@@ -1,0 +1,86 @@
+"""One engine instance as a gRPC server: the role decides which services it offers.
+
+Lifecycle: `build_core` loads the model (slow, before anything listens); `start_engine_server`
+starts the engine thread and the grpc.aio server on the running loop and returns both;
+`run_engine_server` does that, then waits for SIGTERM/SIGINT and shuts down in order: stop
+accepting calls (in-flight ones get `grace_s`), then stop the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
+from pdserve.services.common.async_engine import AsyncEngine
+from pdserve.services.common.engine_service_config import EngineServiceConfig
+from pdserve.services.common.health import InstanceInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningEngineServer:
+    server: grpc.aio.Server
+    engine: AsyncEngine
+    port: int
+
+    async def stop(self, grace_s: float) -> None:
+        await self.server.stop(grace_s)
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+
+
+def build_core(cfg: EngineServiceConfig):
+    """Pins the process, sets torch threads, loads the model; returns an EngineCore."""
+    if cfg.cpus:
+        os.sched_setaffinity(0, set(cfg.cpus))
+    import torch
+
+    torch.set_num_threads(cfg.num_threads)
+    from pdserve.common.engine.engine_core import EngineCore  # heavy: only engine processes
+
+    return EngineCore(cfg.engine_config())
+
+
+async def start_engine_server(cfg: EngineServiceConfig, core) -> RunningEngineServer:
+    from pdserve.services.decode.servicer import DecodeServicer
+    from pdserve.services.prefill.servicer import PrefillServicer
+
+    engine = AsyncEngine(core, max_pending_outputs=cfg.max_pending_outputs)
+    engine.start(asyncio.get_running_loop())
+    info = InstanceInfo(model=cfg.model, role=cfg.role, max_model_len=core.max_model_len,
+                        vocab_size=core.tokenizer.vocab_size)
+    server = grpc.aio.server()
+    if cfg.role in ("unified", "prefill"):
+        pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(engine, info), server)
+    if cfg.role in ("unified", "decode"):
+        pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine, info), server)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if port == 0:
+        engine.stop()
+        raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
+    await server.start()
+    return RunningEngineServer(server, engine, port)
+
+
+async def wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def run_engine_server(cfg: EngineServiceConfig) -> None:
+    core = build_core(cfg)
+    running = await start_engine_server(cfg, core)
+    log.info("%s engine service for %s listening on %s:%d", cfg.role, cfg.model, cfg.host,
+             running.port)
+    await wait_for_signal()
+    log.info("shutting down")
+    await running.stop(cfg.grace_s)

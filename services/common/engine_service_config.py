@@ -1,0 +1,55 @@
+"""Settings of one engine instance service (prefill, decode or unified), validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.services.common.health import ROLES
+
+
+@dataclass(frozen=True)
+class EngineServiceConfig:
+    role: str = "unified"
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 -> any free port
+    model: str = "smollm2"
+    tiny_seed: int = 0
+    num_threads: int = 1
+    cpus: tuple[int, ...] = ()  # pin the process to these cores; () -> leave as is
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_blocks: Optional[int] = None
+    kv_cache_bytes: Optional[int] = None
+    max_pending_outputs: int = 8  # per stream, before outputs are merged for a slow reader
+    grace_s: float = 2.0  # on shutdown, how long calls in flight may finish
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if any(c < 0 for c in self.cpus):
+            raise ValueError(f"cpus must be core indices >= 0, got {self.cpus}")
+        if self.max_pending_outputs < 1:
+            raise ValueError(f"max_pending_outputs must be >= 1, got {self.max_pending_outputs}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        self.engine_config()  # the engine's own checks, now rather than after startup
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
+                              kv_cache_bytes=self.kv_cache_bytes),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_model_len=self.max_model_len),
+            num_threads=self.num_threads,
+            tiny_model_seed=self.tiny_seed,
+        )

@@ -1,0 +1,40 @@
+"""Health and GetLoad answers, shared by the prefill and decode services."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.common.rpc import engine_pb2 as pb
+from pdserve.services.common.async_engine import AsyncEngine
+from pdserve.services.common.convert import stats_to_proto
+
+ROLES = ("unified", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    """What an instance says about itself in Health."""
+
+    model: str
+    role: str
+    max_model_len: int
+    vocab_size: int
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.max_model_len <= 0 or self.vocab_size <= 0:
+            raise ValueError("max_model_len and vocab_size must be > 0")
+
+
+def health_response(engine: AsyncEngine, info: InstanceInfo) -> pb.HealthResponse:
+    status = pb.HealthResponse.SERVING if engine.healthy else pb.HealthResponse.NOT_SERVING
+    return pb.HealthResponse(status=status, model=info.model, role=info.role,
+                             max_model_len=info.max_model_len, vocab_size=info.vocab_size)
+
+
+def load_response(engine: AsyncEngine) -> pb.LoadResponse:
+    load = stats_to_proto(engine.stats())
+    load.num_aborted = engine.num_aborted
+    load.num_finished = engine.num_finished
+    return load

@@ -1,0 +1,58 @@
+"""Client-facing errors: one type carries both the HTTP status and the gRPC code."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import grpc
+
+
+class APIError(Exception):
+    """An error the client sees, as OpenAI shapes it: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 grpc_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.grpc_code = grpc_code
+
+    def to_json(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None,
+                status: int = 400) -> APIError:
+    return APIError(status, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model '{model}' does not exist", param="model",
+                    code="model_not_found", grpc_code=grpc.StatusCode.NOT_FOUND)
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, type_="service_unavailable", code="no_backend",
+                    grpc_code=grpc.StatusCode.UNAVAILABLE)
+
+
+_FROM_GRPC = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+
+
+def from_backend(err: grpc.aio.AioRpcError) -> APIError:
+    """A backend's gRPC failure as the client should see it (same code on the gRPC API)."""
+    status, type_ = _FROM_GRPC.get(err.code(), (500, "internal_error"))
+    return APIError(status, err.details() or err.code().name, type_=type_,
+                    grpc_code=err.code() if status != 500 else grpc.StatusCode.INTERNAL)

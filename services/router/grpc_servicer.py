@@ -1,0 +1,91 @@
+"""The Router gRPC API: Generate streams the same deltas the HTTP API sends as SSE."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import grpc
+
+from pdserve.common.rpc import router_pb2 as pb
+from pdserve.common.rpc import router_pb2_grpc as pb_grpc
+from pdserve.services.common.convert import (FINISH_FROM_PROTO, logprob_to_proto,
+                                             params_from_proto)
+from pdserve.services.router.errors import APIError, bad_request
+from pdserve.services.router.job import Choice, Job
+from pdserve.services.router.job_run import JobRun
+from pdserve.services.router.prompts import chat_prompt, check_length
+from pdserve.services.router.state import RouterState
+
+_FINISH_TO_PROTO = {r.value: code for code, r in FINISH_FROM_PROTO.items() if r is not None}
+
+
+class RouterServicer(pb_grpc.RouterServicer):
+    def __init__(self, state: RouterState):
+        self._state = state
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        arrival = time.monotonic()
+        status = "OK"
+        try:
+            run = await JobRun.open(self._state.pool, self._job(request), self._state.metrics,
+                                    arrival)
+        except APIError as err:
+            status = err.grpc_code.name
+            self._count(status)
+            await context.abort(err.grpc_code, err.message)
+        self._state.metrics.in_flight.inc()
+        try:
+            completion = 0
+            async for _, delta in run.deltas():
+                completion += len(delta.token_ids)
+                msg = pb.GenerateResponse(
+                    text=delta.text, token_ids=delta.token_ids,
+                    logprobs=[logprob_to_proto(lp) for lp in delta.logprobs])
+                if delta.finish_reason is not None:
+                    msg.finish_reason = _FINISH_TO_PROTO[delta.finish_reason]
+                    msg.usage.CopyFrom(pb.Usage(prompt_tokens=delta.num_prompt_tokens,
+                                                completion_tokens=completion,
+                                                cached_tokens=delta.num_cached_tokens))
+                yield msg
+        except APIError as err:
+            status = err.grpc_code.name
+            await context.abort(err.grpc_code, err.message)
+        finally:
+            run.close()  # also when the client cancelled: aborts in the engine
+            self._state.metrics.in_flight.dec()
+            self._count(status)
+
+    async def Health(self, request, context):
+        pool = self._state.pool
+        up = len(pool.healthy)
+        return pb.RouterHealthResponse(serving=up > 0, healthy_backends=up,
+                                       total_backends=len(pool.backends))
+
+    def _count(self, status: str) -> None:
+        self._state.metrics.requests.labels("grpc:Generate", status).inc()
+
+    def _job(self, request: pb.GenerateRequest) -> Job:
+        state = self._state
+        state.check_model(request.model)
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            ids = state.tokenizer.encode(request.text)
+        elif kind == "token_ids":
+            ids = list(request.token_ids.ids)
+        elif kind == "chat":
+            msgs = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            ids = chat_prompt(msgs, state.tokenizer)
+        else:
+            raise bad_request("set one of text, token_ids or chat", param="input")
+        if not ids:
+            raise bad_request("prompt must not be empty", param="input")
+        check_length([ids], state.pool.max_model_len, "input")
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        try:
+            params = params_from_proto(request.params, salt)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
+        return Job(request.request_id or uuid.uuid4().hex, (Choice(0, tuple(ids), params),),
+                   salt)
+

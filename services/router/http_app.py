@@ -1,0 +1,164 @@
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat, models, health, metrics.
+
+A request's engine work lives exactly as long as its client: a disconnect while waiting for
+the instance, while streaming, or while a non-streaming answer is computed cancels the JobRun,
+which aborts the requests in their engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from pdserve.services.router.errors import APIError, bad_request
+from pdserve.services.router.job_run import JobRun
+from pdserve.services.router.openai_jobs import chat_job, completion_job
+from pdserve.services.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.services.router.responses import (ChatFormat, CompletionFormat, collect,
+                                               new_meta, stream_events)
+from pdserve.services.router.state import RouterState
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before we answered."""
+
+
+class _RunResponse(StreamingResponse):
+    """Closes its JobRun however the response ends, even if the stream never started."""
+
+    def __init__(self, run: JobRun, content, **kw):
+        super().__init__(content, **kw)
+        self._run = run
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._run.close()
+
+
+def build_app(state: RouterState) -> FastAPI:
+    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(request, state, "/v1/completions", CompletionRequest,
+                               completion_job, CompletionFormat, "cmpl")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(request, state, "/v1/chat/completions", ChatCompletionRequest,
+                               chat_job, ChatFormat, "chatcmpl")
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": state.config.model_name, "object": "model", "created": 0,
+                "owned_by": "pdserve", "max_model_len": state.pool.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        up, total = len(state.pool.healthy), len(state.pool.backends)
+        body = {"status": "ok" if up else "unavailable", "healthy_instances": up,
+                "instances": total}
+        return JSONResponse(body, status_code=200 if up else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    return app
+
+
+async def _generate(request: Request, state: RouterState, endpoint: str, body_type, job_fn,
+                    form_type, prefix: str) -> Response:
+    arrival = time.monotonic()
+    try:
+        body = await _parse(request, body_type)
+        job = job_fn(body, state, uuid.uuid4().hex)
+        run = await _until_disconnect(request, JobRun.open(state.pool, job, state.metrics,
+                                                           arrival))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        meta = new_meta(prefix, body.model or state.config.model_name,
+                        bool(body.logprobs is not None and body.logprobs is not False),
+                        include_usage)
+        form = form_type(meta, state.text_of)
+        if body.stream:
+            response = _RunResponse(run, _counted(stream_events(run, form), state),
+                                    media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache"})
+        else:
+            response = JSONResponse(await _until_disconnect(request, _counted(
+                collect(run, form), state)))
+    except APIError as err:
+        response = JSONResponse(err.to_json(), status_code=err.status)
+    except ClientGone:
+        response = Response(status_code=499)  # nobody reads it; nginx's "client closed"
+    state.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+    return response
+
+
+async def _parse(request: Request, body_type):
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        return body_type.model_validate(data)
+    except ValidationError as exc:
+        # Wrong shape (missing or mistyped field): 422; out-of-range values are 400 later.
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise bad_request(f"{param}: {first['msg']}", param=param, status=422) from None
+
+
+async def _until_disconnect(request: Request, work):
+    """Awaits `work` (a coroutine or async generator's result) unless the client leaves first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()  # our own cancellation, or the client left: stop the work
+            await asyncio.gather(task, return_exceptions=True)
+    if task in done:
+        return task.result()
+    raise ClientGone()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body is read already, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _counted(work, state: RouterState):
+    """Counts the request in flight while `work` (an async generator or coroutine) runs."""
+    if hasattr(work, "__anext__"):
+        async def gen():
+            state.metrics.in_flight.inc()
+            try:
+                async for item in work:
+                    yield item
+            finally:
+                state.metrics.in_flight.dec()
+        return gen()
+
+    async def coro():
+        state.metrics.in_flight.inc()
+        try:
+            return await work
+        finally:
+            state.metrics.in_flight.dec()
+    return coro()

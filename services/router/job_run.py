@@ -1,0 +1,117 @@
+"""Runs a Job: one EngineStream per choice, their deltas merged in arrival order.
+
+Lifecycle: `JobRun.open()` opens every choice's stream (all accepted, or none left open: on
+any failure or cancellation the opened ones are cancelled); iterate it for (index, Delta);
+`close()` (idempotent; `async with` calls it) cancels whatever is still running, which aborts
+those requests in their engines. The merge queue is bounded, so a slow client slows only its
+own streams (gRPC flow control pushes back to the instance, which coalesces, never blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Optional
+
+from pdserve.common.telemetry.metrics import RouterMetrics
+from pdserve.services.router.backends import BackendPool
+from pdserve.services.router.engine_stream import Delta, EngineStream
+from pdserve.services.router.job import Job
+
+_DONE = object()
+
+
+class JobRun:
+    def __init__(self, job: Job, streams: list[EngineStream], metrics: RouterMetrics,
+                 arrival: float):
+        self.job = job
+        self._streams = streams
+        self._latency = _LatencyTracker(metrics, arrival, len(streams))
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(streams))
+        self._pumps: list[asyncio.Task] = []
+
+    @classmethod
+    async def open(cls, pool: BackendPool, job: Job, metrics: RouterMetrics,
+                   arrival: Optional[float] = None) -> "JobRun":
+        arrival = time.monotonic() if arrival is None else arrival
+        tasks = [asyncio.ensure_future(EngineStream.open(
+            pool, f"{job.request_id}-{c.index}", list(c.prompt_token_ids), c.params,
+            job.cache_salt)) for c in job.choices]
+        try:
+            streams = list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            for r in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(r, EngineStream):
+                    r.cancel()
+            raise
+        return cls(job, streams, metrics, arrival)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        for t in self._pumps:
+            t.cancel()
+        for s in self._streams:
+            s.cancel()
+
+    async def deltas(self):
+        """Yields (choice index, Delta) until every choice finished; raises APIError."""
+        if len(self._streams) == 1:
+            async for delta in self._streams[0]:
+                self._latency.observe(0, delta)
+                yield 0, delta
+            return
+        self._pumps = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self._streams)]
+        remaining = len(self._pumps)
+        while remaining:
+            item = await self._queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                self._latency.observe(*item)
+                yield item
+
+    async def _pump(self, index: int, stream: EngineStream) -> None:
+        try:
+            async for delta in stream:
+                await self._queue.put((index, delta))
+            await self._queue.put(_DONE)
+        except Exception as exc:  # handed to the reader, which raises it
+            await self._queue.put(exc)
+
+
+class _LatencyTracker:
+    """TTFT, inter-token latency and end-to-end latency, measured where the client sees them."""
+
+    def __init__(self, metrics: RouterMetrics, arrival: float, n: int):
+        self._m = metrics
+        self._arrival = arrival
+        self._last: list[Optional[float]] = [None] * n
+        self._first_seen = False
+
+    def observe(self, index: int, delta: Delta) -> None:
+        k = len(delta.token_ids)
+        now = time.monotonic()
+        if k:
+            last = self._last[index]
+            if last is None:
+                if not self._first_seen:  # the request's first token, over all choices
+                    self._first_seen = True
+                    self._m.ttft.observe(now - self._arrival)
+            else:
+                gap = (now - last) / k  # a merged delta spreads its gap over its tokens
+                for _ in range(k):
+                    self._m.itl.observe(gap)
+            self._last[index] = now
+            self._m.generation_tokens.inc(len(delta.token_ids))
+        if delta.finish_reason is not None:
+            self._m.e2e.observe(now - self._arrival)
+            self._m.prompt_tokens.inc(delta.num_prompt_tokens)

@@ -1,0 +1,90 @@
+"""Response bodies and stream chunks exactly as OpenAI shapes them."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from pdserve.common.engine.outputs import TokenLogprob
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
+                     logprobs: Optional[dict], finish_reason: Optional[str],
+                     include_usage: bool) -> dict:
+    body = {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                         "finish_reason": finish_reason}]}
+    if include_usage:
+        body["usage"] = None
+    return body
+
+
+def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
+               logprobs: Optional[dict], finish_reason: Optional[str],
+               include_usage: bool) -> dict:
+    body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                         "finish_reason": finish_reason}]}
+    if include_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, usage_body: dict) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage_body}
+
+
+class TokenText:
+    """Token id -> the text OpenAI puts in logprobs (special tokens shown, bytes kept)."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(lps: tuple[TokenLogprob, ...], text_of: TokenText,
+                        offset: int) -> dict:
+    """The legacy completions shape; `offset` is the text length before these tokens."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for lp in lps:
+        tok = text_of(lp.token_id)
+        tokens.append(tok)
+        token_lps.append(lp.logprob)
+        tops.append({text_of(t): v for t, v in lp.top})
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(lps: tuple[TokenLogprob, ...], text_of: TokenText) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        tok = text_of(token_id)
+        return {"token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8"))}
+
+    return {"content": [dict(entry(lp.token_id, lp.logprob),
+                             top_logprobs=[entry(t, v) for t, v in lp.top]) for lp in lps]}
+
+
+def merge_logprobs(acc: Optional[dict], part: dict) -> dict:
+    """Joins logprob bodies of consecutive deltas (for non-streaming responses)."""
+    if acc is None:
+        return part
+    for key, value in part.items():
+        acc[key] = acc[key] + value
+    return acc

@@ -1,0 +1,52 @@
+"""Validated OpenAI request bodies to Jobs (tokenized, length-checked, sampling validated)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pdserve.services.router.errors import bad_request
+from pdserve.services.router.job import Job, fan_out
+from pdserve.services.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.services.router.prompts import (chat_prompt, check_length, completion_prompts,
+                                             message_dicts)
+from pdserve.services.router.sampling import build_sampling_params
+from pdserve.services.router.state import RouterState
+
+
+def completion_job(body: CompletionRequest, state: RouterState, request_id: str) -> Job:
+    state.check_model(body.model)
+    if body.echo:
+        raise bad_request("echo is not supported", param="echo")
+    prompts = completion_prompts(body.prompt, state.tokenizer)
+    max_len = state.pool.max_model_len
+    check_length(prompts, max_len, "prompt")
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
+    params = build_sampling_params(body, max_tokens, body.logprobs, state.config.max_stop)
+    return fan_out(request_id, prompts, params, body.n, state.config.max_n, body.cache_salt)
+
+
+def chat_job(body: ChatCompletionRequest, state: RouterState, request_id: str) -> Job:
+    state.check_model(body.model)
+    ids = chat_prompt(message_dicts(body.messages), state.tokenizer, body.add_generation_prompt)
+    max_len = state.pool.max_model_len
+    check_length([ids], max_len, "messages")
+    max_tokens = _chat_max_tokens(body, len(ids), max_len, state.config.default_chat_max_tokens)
+    logprobs = _chat_logprobs(body)
+    params = build_sampling_params(body, max_tokens, logprobs, state.config.max_stop)
+    return fan_out(request_id, [ids], params, body.n, state.config.max_n, body.cache_salt)
+
+
+def _chat_max_tokens(body, prompt_len: int, max_len: Optional[int], default: int) -> int:
+    asked = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    if asked is not None:
+        return asked
+    return min(default, max_len - prompt_len) if max_len else default
+
+
+def _chat_logprobs(body: ChatCompletionRequest) -> Optional[int]:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    if not body.logprobs:
+        return None
+    return body.top_logprobs or 0

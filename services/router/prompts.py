@@ -1,0 +1,54 @@
+"""Prompts to token ids: the router tokenizes and applies the chat template itself."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pdserve.services.router.errors import bad_request
+
+
+def completion_prompts(prompt, tokenizer) -> list[list[int]]:
+    """OpenAI's `prompt`: a string, strings, token ids, or lists of token ids."""
+    if isinstance(prompt, str):
+        prompts = [tokenizer.encode(prompt)]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    elif all(isinstance(p, str) for p in prompt):
+        prompts = [tokenizer.encode(p) for p in prompt]
+    else:
+        prompts = [list(p) for p in prompt]
+    if not prompts or any(not p for p in prompts):
+        raise bad_request("prompt must not be empty", param="prompt")
+    return prompts
+
+
+def chat_prompt(messages: list[dict], tokenizer, add_generation_prompt: bool = True) -> list[int]:
+    try:
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+    except ValueError as exc:  # no template, or the template raised
+        raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from None
+    if not ids:
+        raise bad_request("messages produced an empty prompt", param="messages")
+    return ids
+
+
+def message_dicts(messages) -> list[dict]:
+    """Typed chat messages to the dicts the template reads; text parts are joined."""
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+def check_length(prompts: list[list[int]], max_model_len: Optional[int], param: str) -> None:
+    if max_model_len is None:
+        return  # not known yet: the instance checks it
+    for ids in prompts:
+        if len(ids) >= max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens; the prompt "
+                f"has {len(ids)} tokens, leaving no room to generate", param=param,
+                code="context_length_exceeded")
