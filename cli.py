@@ -17,6 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from pdserve.bench.offline import add_offline_subcommand
     add_offline_subcommand(bench_sub)
+    from pdserve.bench.cli import add_bench_subcommands
+    add_bench_subcommands(bench_sub)  # serve, sweep, compare
     return parser
 
 

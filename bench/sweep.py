@@ -1,0 +1,88 @@
+"""`pdserve bench sweep`: SLO attainment against request rate, per tier.
+
+Each rate is measured `repeats` times on the same requests and schedule; the curve uses the
+median attainment. The SLO rate is DistServe's goodput: the highest rate at which at least
+`target` (90%) of requests meet their SLOs, interpolated linearly inside the first bracket
+where attainment falls below the target (None when even the lowest rate misses it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional, Sequence
+
+from pdserve.bench.goodput import OVERALL
+from pdserve.bench.plots import plot_attainment
+from pdserve.bench.serve import ServeConfig, build, headline, measure, write_outputs
+from pdserve.bench.stats import median
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    serve: ServeConfig
+    rates: tuple[float, ...]
+    repeats: int = 1
+    target: float = 0.9
+
+    def __post_init__(self):
+        if not self.rates or any(not r > 0 or r == float("inf") for r in self.rates):
+            raise ValueError(f"rates must be finite and > 0, got {self.rates}")
+        if self.serve.arrivals.kind == "concurrency":
+            raise ValueError("a rate sweep needs a rate-driven arrival kind, not concurrency")
+        if self.repeats < 1 or not 0 < self.target <= 1:
+            raise ValueError("repeats must be >= 1 and target in (0, 1]")
+
+
+def max_rate_meeting(points: Sequence[tuple[float, float]], target: float) -> Optional[float]:
+    """Highest rate with attainment >= target, interpolated at the first crossing."""
+    pts = sorted(points)
+    best = None
+    for k, (rate, att) in enumerate(pts):
+        if att < target:
+            if best is None:
+                return None
+            r0, a0 = pts[k - 1]
+            return r0 + (a0 - target) * (rate - r0) / (a0 - att)
+        best = rate
+    return best
+
+
+def curves_from_points(points: Sequence[dict]) -> dict[str, list[tuple[float, float]]]:
+    """[{rate, attainment: {tier: [a, ...]}}] -> {tier: [(rate, median a), ...]}."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for p in points:
+        for tier, values in p["attainment"].items():
+            out.setdefault(tier, []).append((p["rate"], median(values)))
+    return out
+
+
+def run_sweep(cfg: SweepConfig, stem: str = "sweep", label: str = "") -> dict:
+    requests = build(cfg.serve)
+    out_dir = Path(cfg.serve.out_dir)
+    points = []
+    for rate in cfg.rates:
+        run_cfg = replace(cfg.serve, arrivals=replace(cfg.serve.arrivals, rate=rate))
+        att: dict[str, list[float]] = {}
+        runs = []
+        for rep in range(cfg.repeats):
+            summary, records = measure(run_cfg.target, requests, run_cfg)
+            write_outputs(summary, records, run_cfg, out_dir, f"{stem}_rate{rate:g}_r{rep}")
+            runs.append(headline(summary))
+            att.setdefault(OVERALL, []).append(summary["attainment"])
+            for tier, block in summary["tiers"].items():
+                att.setdefault(tier, []).append(block["attainment"])
+            print(f"rate {rate:g} req/s run {rep + 1}/{cfg.repeats}: attainment "
+                  + ", ".join(f"{t} {a[-1] * 100:.0f}%" for t, a in att.items()), flush=True)
+        points.append({"rate": rate, "attainment": att, "runs": runs})
+    curves = curves_from_points(points)
+    max_rate = {t: max_rate_meeting(c, cfg.target) for t, c in curves.items()}
+    name = label or cfg.serve.target.name
+    png = plot_attainment({name: curves}, out_dir / f"{stem}_attainment.png", cfg.target)
+    body = {"target": name, "slo_target": cfg.target, "rates": list(cfg.rates),
+            "repeats": cfg.repeats, "curves": curves, "max_rate": max_rate, "points": points}
+    path = out_dir / f"{stem}.json"
+    path.write_text(json.dumps(body, indent=1))
+    return {"bench": "sweep", "target": name, "rates": list(cfg.rates), "curves": curves,
+            "max_rate": max_rate, "result": str(path), "plots": [str(png)]}

@@ -1,0 +1,50 @@
+"""Synthetic workloads: random lengths, shared prefixes, multi-turn chat."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pdserve.bench.request import BenchRequest
+from pdserve.bench.text_gen import RandomText
+from pdserve.bench.workload_config import WorkloadConfig
+
+
+def _completion(gen: RandomText, cfg: WorkloadConfig, ids: tuple[int, ...],
+                max_tokens: int) -> BenchRequest:
+    # auto -> ids: exact lengths, and every OpenAI-compatible completions API takes them.
+    if cfg.prompt_format == "text":
+        return BenchRequest(cfg.tier_name, max_tokens, prompt=gen.text(ids), prompt_len=len(ids))
+    return BenchRequest(cfg.tier_name, max_tokens, prompt_ids=ids, prompt_len=len(ids))
+
+
+def random_requests(cfg: WorkloadConfig, gen: RandomText,
+                    rng: np.random.Generator) -> list[BenchRequest]:
+    n = cfg.num_prompts
+    ins, outs = cfg.input_len.sample(rng, n), cfg.output_len.sample(rng, n)
+    return [_completion(gen, cfg, gen.ids(rng, i), o) for i, o in zip(ins, outs)]
+
+
+def prefix_requests(cfg: WorkloadConfig, gen: RandomText,
+                    rng: np.random.Generator) -> list[BenchRequest]:
+    """Request j uses prefix j % N, so the prefixes interleave and each must stay cached."""
+    prefixes = [gen.ids(rng, k) for k in cfg.prefix_len.sample(rng, cfg.num_prefixes)]
+    n = cfg.num_prompts
+    ins, outs = cfg.input_len.sample(rng, n), cfg.output_len.sample(rng, n)
+    return [_completion(gen, cfg, prefixes[j % len(prefixes)] + gen.ids(rng, ins[j]), outs[j])
+            for j in range(n)]
+
+
+def chat_requests(cfg: WorkloadConfig, gen: RandomText,
+                  rng: np.random.Generator) -> list[BenchRequest]:
+    """Turn t of every conversation before turn t+1 of any, so conversations overlap."""
+    convs = -(-cfg.num_prompts // cfg.turns)
+    ins = cfg.input_len.sample(rng, convs * cfg.turns)
+    outs = cfg.output_len.sample(rng, convs * cfg.turns)
+    reqs = []
+    for t in range(cfg.turns):
+        for c in range(convs):
+            k = t * convs + c
+            text = gen.text(gen.ids(rng, ins[k]))
+            reqs.append(BenchRequest(cfg.tier_name, outs[k], messages=(("user", text),),
+                                     prompt_len=ins[k], conversation=c, turn=t))
+    return reqs[:cfg.num_prompts]
