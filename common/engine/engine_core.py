@@ -11,12 +11,14 @@ other request goes on.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 import torch
 
 from pdserve.common.attention.backend import get_attention_backend
 from pdserve.common.config import EngineConfig
+from pdserve.common.engine.kv_connector import KVConnector
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.output_processor import OutputProcessor
 from pdserve.common.engine.outputs import (EngineStats, FinishReason, RequestOutput,
@@ -35,7 +37,10 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None):
+    def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None,
+                 connector_factory: Optional[Callable[["EngineCore"], KVConnector]] = None):
+        """`connector_factory(engine)` builds the KV connector once the model and its KV
+        geometry are known (it may read engine.model_config, engine.fingerprint, ...)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -59,23 +64,39 @@ class EngineCore:
                      for _ in range(cfg.num_layers)]
         self.pool = BlockPool(plan.num_blocks, cc.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, cc.block_size, self.fingerprint)
+        self.connector = connector_factory(self) if connector_factory else None
+        if self.connector is not None:
+            self.connector.register_kv_caches(kv_caches)
         sc = config.scheduler
         self.scheduler = Scheduler(self.kv, sc.max_num_seqs, sc.max_num_batched_tokens,
-                                   sc.enable_chunked_prefill)
+                                   sc.enable_chunked_prefill, self.connector)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.runner = ModelRunner(self.model, kv_caches, self.kv,
-                                  Sampler(cfg.vocab_size, self.generator), config.device)
+                                  Sampler(cfg.vocab_size, self.generator), config.device,
+                                  self.connector)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self._aborted: list[RequestOutput] = []
+        self._awaiting_save: dict[str, RequestOutput] = {}  # finished, KV still being saved
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
+                    params: SamplingParams, first_token_id: Optional[int] = None,
+                    kv_params: Optional[dict] = None) -> None:
+        """`first_token_id`: the first output token, sampled elsewhere (a prefill instance)
+        and already delivered; generation continues after it. `kv_params`: hints for the KV
+        connector (e.g. "block_keys", the stored prompt blocks)."""
         self._validate(request_id, prompt_token_ids, params)
+        if first_token_id is not None:
+            self._validate(request_id, [first_token_id], params)
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         req = Request(request_id, prompt_token_ids, params, max_tokens, generator=gen,
                       eos_token_ids=self.model_config.eos_token_ids or self.tokenizer.eos_token_ids)
+        if first_token_id is not None:
+            if max_tokens < 2:
+                raise ValueError("max_tokens must be >= 2 when the first token is given")
+            req.append_token(first_token_id)
+        req.kv_params = dict(kv_params or {})
         self.scheduler.add_request(req)
         self.outputs.add(req)
 
@@ -103,13 +124,20 @@ class EngineCore:
         self._aborted.append(self.outputs.make_output(req, finished=True))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return (self.scheduler.has_unfinished() or bool(self._aborted)
+                or bool(self._awaiting_save))
 
     # -- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         sched = self.scheduler.schedule()
+        for rid in self.scheduler.saved_ids:
+            if rid in self._awaiting_save:
+                outputs.append(self._awaiting_save.pop(rid))
+        self.scheduler.saved_ids.clear()
         if not sched.scheduled:
+            if self.scheduler.kv_waiting or self.scheduler.held:
+                time.sleep(0.0005)  # only connector I/O is pending: don't spin
             return outputs
         result = self.runner.execute(sched.scheduled)
         for req, n in sched.scheduled:
@@ -123,11 +151,25 @@ class EngineCore:
         for req, _ in sched.scheduled:
             self.kv.cache_blocks(req)
         for req in result.sampled:
-            finished = req.finish_reason is not None
-            if finished:
-                self.scheduler.finish(req.request_id, RequestStatus.FINISHED)
-            outputs.append(self.outputs.make_output(req, finished))
+            outputs.extend(self._emit(req))
         return outputs
+
+    def _emit(self, req: Request) -> list[RequestOutput]:
+        finished = req.finish_reason is not None
+        if finished:
+            self.scheduler.finish(req.request_id, RequestStatus.FINISHED)
+        out = self.outputs.make_output(req, finished)
+        if finished and self.connector is not None:
+            out.block_hashes = req.block_hashes[:req.num_prompt_tokens // self.kv.block_size]
+            if (req.request_id in self.scheduler.held
+                    and self.connector.finish_waits_for_save()):
+                self._awaiting_save[req.request_id] = out
+                return []
+        return [out]
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
 
     # -- introspection --------------------------------------------------------------------
     @property
@@ -144,4 +186,5 @@ class EngineCore:
             num_running=len(s.running), num_waiting=len(s.waiting), kv_usage=self.pool.usage,
             num_waiting_tokens=s.num_waiting_tokens, num_free_blocks=self.pool.num_free_blocks,
             num_total_blocks=self.pool.num_blocks, prefix_cache_queries=self.kv.prefix_queries,
-            prefix_cache_hits=self.kv.prefix_hits, num_preemptions=s.num_preemptions)
+            prefix_cache_hits=self.kv.prefix_hits, num_preemptions=s.num_preemptions,
+            num_waiting_for_kv=len(s.kv_waiting), num_kv_load_failures=s.num_load_failures)

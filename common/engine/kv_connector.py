@@ -69,5 +69,10 @@ class KVConnector(abc.ABC):
     def get_failed_loads(self) -> dict[str, int]:
         ...
 
+    def finish_waits_for_save(self) -> bool:
+        """True when a finished request's last output must wait until its KV is saved (a
+        prefill instance: the consumer reads the blocks next)."""
+        return False
+
     def close(self) -> None:
         """Stop background work; pending saves may be dropped."""

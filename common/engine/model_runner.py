@@ -9,11 +9,13 @@ whose chunk reaches their last token are sampled. Host-side index arrays are bui
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
 
 from pdserve.common.attention.backend import AttentionMetadata
+from pdserve.common.engine.kv_connector import KVConnector
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.sampler import Sampler, SamplerOutput
 from pdserve.common.kv.kv_cache_manager import KVCacheManager
@@ -28,8 +30,10 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor],
-                 kv: KVCacheManager, sampler: Sampler, device: str = "cpu"):
+                 kv: KVCacheManager, sampler: Sampler, device: str = "cpu",
+                 connector: Optional[KVConnector] = None):
         self.model, self.kv_caches, self.kv, self.sampler = model, kv_caches, kv, sampler
+        self.connector = connector
         self.block_size = kv.block_size
         self.device = device
 
@@ -37,7 +41,16 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Request, int]]) -> StepResult:
         batch = sorted(scheduled, key=lambda rn: rn[1] != 1)  # decodes first, stable
         input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, H]
+        hook = None
+        if self.connector is not None:
+            for r, _ in batch:
+                self.kv.update_block_hashes(r)
+            self.connector.begin_step([(r, n, self.kv.block_ids(r.request_id))
+                                       for r, n in batch])
+            hook = self.connector.save_layer
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, hook)  # [T, H]
+        if self.connector is not None:
+            self.connector.end_step()
         ends = meta.query_start_loc[1:].long() - 1  # last token of each request
         sampled = [i for i, (r, n) in enumerate(batch) if r.num_computed_tokens + n == r.num_tokens]
         reqs = [batch[i][0] for i in sampled]

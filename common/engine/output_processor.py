@@ -35,7 +35,12 @@ class OutputProcessor:
 
     def add(self, req: Request) -> None:
         hold = max((len(s) for s in req.params.stop), default=1) - 1
-        self.states[req.request_id] = _State(IncrementalDetokenizer(self.tokenizer), hold)
+        st = _State(IncrementalDetokenizer(self.tokenizer), hold)
+        if req.num_output_tokens:  # a first token sampled elsewhere (prefill) and already sent
+            st.text = st.detok.push(req.output_token_ids)
+            st.emitted = len(st.text)
+            st.sent_tokens = req.num_output_tokens
+        self.states[req.request_id] = st
 
     def check_stop(self, req: Request, token: int) -> None:
         """After `token` was appended: set finish_reason / stop_reason if the request ends."""

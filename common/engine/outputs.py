@@ -40,6 +40,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_output_tokens: int = 0  # total so far
+    block_hashes: Optional[list[bytes]] = None  # finished, with a KV connector: prompt blocks
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class EngineStats:
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
     num_preemptions: int
+    num_waiting_for_kv: int = 0
+    num_kv_load_failures: int = 0  # loads that ended in recomputation
 
 
 @dataclass

@@ -48,6 +48,7 @@ class Scheduler:
         self.kv_waiting: dict[str, Request] = {}  # WAITING_FOR_KV
         self.held: dict[str, Request] = {}  # ended, blocks still in the connector's hands
         self.num_load_failures = 0
+        self.saved_ids: list[str] = []  # held requests whose saves finished; engine drains
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill
@@ -146,6 +147,7 @@ class Scheduler:
         for rid in saved:
             if rid in self.held:
                 self._reclaim(self.held.pop(rid))
+                self.saved_ids.append(rid)
         for rid in list(loaded) + list(failed):
             if rid in self.held:  # cancelled while loading: the blocks are free to go now
                 self._reclaim(self.held.pop(rid))

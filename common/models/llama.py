@@ -7,7 +7,7 @@ an `AttentionBackend`. Weights load by Hugging Face names (`load_weights`).
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -101,11 +101,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states [T, hidden]."""
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                layer_done: Optional[Callable[[int, torch.Tensor], None]] = None
+                ) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]. `layer_done(i, kv_cache)`
+        runs after layer i wrote its K/V (the KV connector saves layer by layer)."""
         x = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(positions, x, kv_cache, meta)
+            if layer_done is not None:
+                layer_done(i, kv_cache)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,304 @@
+// Paged decode attention for the CPU: K/V are read straight from the paged cache through the
+// block table (no dense gather copy), each K/V row once per (request, kv head) for all the query
+// heads of its GQA group, with an online softmax over block-aligned tiles and fp32 accumulation.
+//
+// Built just in time by pdserve/common/attention/cpu_native.py. With AVX2+FMA (the loader adds
+// -mavx2 -mfma when the CPU has them) the inner loops use 8-wide intrinsics; otherwise plain
+// loops.
+//
+// Layouts (fp32 / int32):
+//   query        [D, H, d]   rows may be strided (a view of a bigger [T, H, d]); heads dense
+//   kv_cache     [2, NB, bs, kvh, d] contiguous (0 = keys, 1 = values)
+//   block_tables [D, W]      cache block of each request's bs-token page
+//   seq_lens     [D]         context length incl. the new token, 1 <= len <= W * bs
+//   out          [D, H, d]   contiguous; query head j uses kv head j / (H / kvh)
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PDSERVE_AVX2 1
+#endif
+
+namespace {
+
+#ifdef PDSERVE_AVX2
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp for x <= 0 (scores minus their running max): Cephes expf (range reduction to
+// [-ln2/2, ln2/2] and a degree-5 polynomial, ~1 ulp). Inputs below -87 clamp to ~1e-38, which
+// is 0 for any softmax weight that matters.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
+}
+
+#endif  // PDSERVE_AVX2
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#ifdef PDSERVE_AVX2
+  // two accumulators: head_dim 64/128 is 8/16 vectors, enough to hide the FMA latency
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  for (; i + 8 <= n; i += 8)
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+  s = hsum(_mm256_add_ps(s0, s1));
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y[0:n] += a * x[0:n]
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+  int64_t i = 0;
+#ifdef PDSERVE_AVX2
+  const __m256 av = _mm256_set1_ps(a);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// Ask for the cache lines of one d-float row (a GCC/Clang builtin: no ISA dependence).
+inline void prefetch_row(const float* row, int64_t d) {
+  for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i, 0, 3);
+}
+
+inline void scale_inplace(float* y, float a, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] *= a;
+}
+
+// x[0:n] = exp(x[0:n] - m); returns the sum of the results.
+inline float exp_sub_sum(float* x, float m, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef PDSERVE_AVX2
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum(acc);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    sum += x[i];
+  }
+  return sum;
+}
+
+struct DecodeProblem {
+  const float* query;
+  int64_t q_row_stride;  // elements between requests' query rows
+  const float* k_cache;  // [NB, bs, kvh, d]
+  const float* v_cache;
+  const int32_t* block_tables;  // [D, W]
+  const int32_t* seq_lens;      // [D]
+  float* out;                   // [D, H, d]
+  int64_t num_heads, num_kv_heads, head_dim, block_size, table_width;
+  float scale;
+};
+
+// Per-thread scratch, reused across the (request, kv head) items a thread runs.
+struct Scratch {
+  std::vector<float> q, acc, scores, m, l;  // [G, d], [G, d], [G, tile], [G], [G]
+  Scratch(int64_t group, int64_t d, int64_t tile)
+      : q(group * d), acc(group * d), scores(group * tile), m(group), l(group) {}
+};
+
+// One (request r, kv head h): online softmax over tiles of whole blocks.
+void decode_one(const DecodeProblem& p, int64_t r, int64_t h, int64_t tile_blocks, Scratch& s) {
+  const int64_t d = p.head_dim, bs = p.block_size, kvh = p.num_kv_heads;
+  const int64_t group = p.num_heads / kvh;
+  const int64_t tile = tile_blocks * bs;
+  const int64_t len = p.seq_lens[r];
+  const int32_t* table = p.block_tables + r * p.table_width;
+  const int64_t row_stride = kvh * d;  // between consecutive tokens of one kv head in a block
+
+  // the group's query heads are contiguous: heads h*G .. h*G+G-1
+  const float* q_in = p.query + r * p.q_row_stride + h * group * d;
+  float* q = s.q.data();
+  float* acc = s.acc.data();
+  float* sc = s.scores.data();
+  for (int64_t i = 0; i < group * d; ++i) q[i] = q_in[i] * p.scale;
+  std::fill(s.acc.begin(), s.acc.end(), 0.f);
+  std::fill(s.m.begin(), s.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.end(), 0.f);
+
+  const int64_t num_used = (len + bs - 1) / bs;
+  auto k_block = [&](int64_t b) { return p.k_cache + (table[b] * bs * kvh + h) * d; };
+  auto v_block = [&](int64_t b) { return p.v_cache + (table[b] * bs * kvh + h) * d; };
+  for (int64_t start = 0; start < len; start += tile) {
+    const int64_t n = std::min(tile, len - start);
+    // scores [G, n]: each K row is loaded once and dotted with all G queries (L1-hot after g=0).
+    // Pages are scattered and a head's rows are strided, which the hardware prefetcher follows
+    // poorly: prefetch the next block's K row and this tile's V row as we go.
+    for (int64_t t0 = 0; t0 < n; t0 += bs) {
+      const int64_t b = (start + t0) / bs;
+      const float* k = k_block(b);
+      const float* v = v_block(b);
+      const float* k_next = b + 1 < num_used ? k_block(b + 1) : nullptr;
+      const int64_t nt = std::min(bs, n - t0);
+      for (int64_t t = 0; t < nt; ++t) {
+        if (k_next) prefetch_row(k_next + t * row_stride, d);
+        prefetch_row(v + t * row_stride, d);
+        const float* kt = k + t * row_stride;
+        for (int64_t g = 0; g < group; ++g) sc[g * tile + t0 + t] = dot(q + g * d, kt, d);
+      }
+    }
+    // online softmax: rescale the running sums only when the max grows
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = sc + g * tile;
+      const float mx = *std::max_element(sg, sg + n);
+      if (mx > s.m[g]) {
+        const float alpha = std::exp(s.m[g] - mx);  // exp(-inf) = 0 on the first tile
+        scale_inplace(acc + g * d, alpha, d);
+        s.l[g] *= alpha;
+        s.m[g] = mx;
+      }
+      s.l[g] += exp_sub_sum(sg, s.m[g], n);
+    }
+    // acc[g] += sum_t p[g, t] * V[t]: each V row loaded once for all G heads
+    for (int64_t t0 = 0; t0 < n; t0 += bs) {
+      const float* v = v_block((start + t0) / bs);
+      const int64_t nt = std::min(bs, n - t0);
+      for (int64_t t = 0; t < nt; ++t, v += row_stride)
+        for (int64_t g = 0; g < group; ++g) axpy(acc + g * d, sc[g * tile + t0 + t], v, d);
+    }
+  }
+  float* o = p.out + (r * p.num_heads + h * group) * d;
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.f / s.l[g];
+    for (int64_t i = 0; i < d; ++i) o[g * d + i] = acc[g * d + i] * inv;
+  }
+}
+
+// Checks up front (serially, before any thread starts) so bad metadata is a ValueError, never an
+// out-of-bounds read.
+void check_metadata(const int32_t* tables, const int32_t* lens, int64_t num_reqs, int64_t width,
+                    int64_t block_size, int64_t num_blocks) {
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t len = lens[r];
+    TORCH_CHECK_VALUE(len >= 1 && len <= width * block_size, "seq_lens[", r, "] = ", len,
+                      " must be in [1, ", width * block_size, "] (block table width ", width,
+                      " x block size ", block_size, ")");
+    const int64_t used = (len + block_size - 1) / block_size;
+    for (int64_t b = 0; b < used; ++b) {
+      const int64_t id = tables[r * width + b];
+      TORCH_CHECK_VALUE(id >= 0 && id < num_blocks, "block_tables[", r, ", ", b, "] = ", id,
+                        " is outside the cache's ", num_blocks, " blocks");
+    }
+  }
+}
+
+}  // namespace
+
+// out = softmax(scale * q K^T) V per request and head, K/V read through the block table.
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                        c10::optional<at::Tensor> out_opt) {
+  TORCH_CHECK_VALUE(query.device().is_cpu() && kv_cache.device().is_cpu() &&
+                        block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
+                    "paged_decode: all tensors must be on the CPU");
+  TORCH_CHECK_VALUE(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat,
+                    "paged_decode: query and kv_cache must be float32");
+  TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+                    "paged_decode: block_tables and seq_lens must be int32");
+  TORCH_CHECK_VALUE(query.dim() == 3, "paged_decode: query must be [D, heads, head_dim], got ",
+                    query.sizes());
+  TORCH_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
+                    "paged_decode: kv_cache must be [2, blocks, block_size, kv_heads, head_dim], "
+                    "got ", kv_cache.sizes());
+  const int64_t num_reqs = query.size(0), heads = query.size(1), d = query.size(2);
+  const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), kvh = kv_cache.size(3);
+  TORCH_CHECK_VALUE(kv_cache.size(4) == d, "paged_decode: head_dim mismatch: query ", d,
+                    ", kv_cache ", kv_cache.size(4));
+  TORCH_CHECK_VALUE(kvh >= 1 && heads % kvh == 0, "paged_decode: heads (", heads,
+                    ") must be a multiple of kv heads (", kvh, ")");
+  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == num_reqs,
+                    "paged_decode: block_tables must be [D, W] with D = ", num_reqs, ", got ",
+                    block_tables.sizes());
+  TORCH_CHECK_VALUE(seq_lens.dim() == 1 && seq_lens.size(0) == num_reqs,
+                    "paged_decode: seq_lens must be [D] with D = ", num_reqs, ", got ",
+                    seq_lens.sizes());
+  TORCH_CHECK_VALUE(kv_cache.is_contiguous(), "paged_decode: kv_cache must be contiguous");
+
+  // a strided row stride (query sliced out of a fused qkv) is fine; heads must be dense
+  const at::Tensor q = (query.stride(2) == 1 && query.stride(1) == d) ? query : query.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  at::Tensor out;
+  if (out_opt.has_value()) {
+    out = *out_opt;
+    TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kFloat &&
+                          out.is_contiguous() && out.sizes() == query.sizes(),
+                      "paged_decode: out must be a contiguous float32 CPU tensor of shape ",
+                      query.sizes());
+  } else {
+    out = at::empty({num_reqs, heads, d}, query.options().memory_format(at::MemoryFormat::Contiguous));
+  }
+  if (num_reqs == 0) return out;
+
+  const int64_t width = tables.size(1);
+  check_metadata(tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), num_reqs, width, bs,
+                 num_blocks);
+
+  const float* kv = kv_cache.data_ptr<float>();
+  const DecodeProblem p{q.data_ptr<float>(), q.stride(0), kv, kv + num_blocks * bs * kvh * d,
+                        tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                        out.data_ptr<float>(), heads, kvh, d, bs, width,
+                        static_cast<float>(scale)};
+  // tiles of >= 64 tokens: fewer max/rescale passes than one block at a time
+  const int64_t tile_blocks = std::max<int64_t>(1, 64 / bs);
+  const int64_t group = heads / kvh;
+  // one item per (request, kv head); grain 1 since each item streams a whole context
+  at::parallel_for(0, num_reqs * kvh, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(group, d, tile_blocks * bs);
+    for (int64_t i = begin; i < end; ++i) decode_one(p, i / kvh, i % kvh, tile_blocks, scratch);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "Paged decode attention (CPU, fp32)",
+        py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("out") = py::none());
+#ifdef PDSERVE_AVX2
+  m.attr("simd") = "avx2";
+#else
+  m.attr("simd") = "scalar";
+#endif
+}

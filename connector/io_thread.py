@@ -1,0 +1,42 @@
+"""A background thread running an asyncio loop for the connector's store I/O.
+
+Lifecycle: `IOThread()` starts the thread and its loop; `submit(coro)` schedules a coroutine
+from any thread and returns a concurrent future; `close()` cancels what is pending, stops the
+loop and joins the thread. The engine thread never awaits: it submits and later polls results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+
+
+class IOThread:
+    def __init__(self, name: str = "kv-connector-io"):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro, timeout: float):
+        """Run a coroutine on the loop and wait for it (for short metadata calls)."""
+        return self.submit(coro).result(timeout)
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+
+        def _stop():
+            for task in asyncio.all_tasks(self.loop):
+                task.cancel()
+            self.loop.stop()
+
+        self.loop.call_soon_threadsafe(_stop)
+        self._thread.join(timeout=5)

@@ -1,0 +1,60 @@
+"""What the connector needs from a KV store, and an in-process store for tests.
+
+The real implementation is the Mooncake-style store's client (services/kvstore/client.py,
+injected by the services, so connector/ never imports services/). Its contract: a miss is a
+return value (None / 0); an unreachable store raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Optional, Protocol
+
+
+class BlockStore(Protocol):
+    async def put(self, key: bytes, data: memoryview, lease_s: float = 0.0): ...
+
+    async def get_into(self, key: bytes, out: memoryview) -> Optional[int]: ...
+
+    async def prefix_lookup(self, keys: list[bytes]) -> int: ...
+
+
+class InMemoryBlockStore:
+    """A dict behind the BlockStore protocol, with failure switches for tests."""
+
+    def __init__(self):
+        self.objects: dict[bytes, bytes] = {}
+        self.down = False  # every call raises, like an unreachable store
+        self.delay_s = 0.0
+        self.puts = 0
+        self.gets = 0
+
+    def _check(self):
+        if self.down:
+            raise ConnectionError("store is down")
+
+    async def put(self, key, data, lease_s=0.0):
+        self._check()
+        await asyncio.sleep(self.delay_s)
+        self.puts += 1
+        self.objects.setdefault(key, bytes(data))
+        return "ok"
+
+    async def get_into(self, key, out):
+        self._check()
+        await asyncio.sleep(self.delay_s)
+        self.gets += 1
+        data = self.objects.get(key)
+        if data is None:
+            return None
+        memoryview(out)[:len(data)] = data
+        return len(data)
+
+    async def prefix_lookup(self, keys):
+        self._check()
+        n = 0
+        for k in keys:
+            if k not in self.objects:
+                break
+            n += 1
+        return n

@@ -1,0 +1,274 @@
+"""KV connector over a Mooncake-style block store (both halves of common's KVConnector).
+
+Objects are whole blocks (every layer), keyed by the block's chained hash, so the store is also
+a prefix cache shared by every instance: a block computed once is loadable anywhere.
+
+Producer (prefill): before the forward, `begin_step` lists the blocks that become full in this
+step and allocates one staging buffer for them (codec layout, header space included);
+`save_layer` copies each layer's slice of those blocks into it right after the layer ran, so
+the copy overlaps the forward; `end_step` hands the buffer to the I/O thread, which writes the
+headers and puts the objects while the engine computes on. The request's blocks stay allocated
+(`request_finished` -> True) until its puts are done. A failed put only costs a later reader a
+recomputation.
+
+Consumer (decode): `get_num_new_matched_tokens` asks the store how many of the request's next
+blocks exist (a prefix lookup; a caller's hint in request.kv_params["block_keys"] saves it);
+`update_state_after_alloc` starts fetching them into the allocated blocks. Each fetched block is
+validated by the codec before it is written to the cache; the load stops at the first missing,
+unreadable, corrupted or late block, and reports the blocks before it as loaded, so the engine
+recomputes from there.
+
+The partial tail block is never stored: decode recomputes it (at most block_size - 1 tokens,
+cheaper than a request-scoped object with its own lease, and it keeps every stored object
+content-addressed and shareable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+
+from pdserve.common.engine.kv_connector import KVConnector
+from pdserve.connector.codec import HEADER_SIZE, BlockCodec, BlockCodecError
+from pdserve.connector.io_thread import IOThread
+from pdserve.connector.store import BlockStore
+
+log = logging.getLogger(__name__)
+Role = Literal["producer", "consumer", "both"]
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    role: Role = "both"
+    lease_s: float = 30.0  # stored blocks are not evicted for this long
+    load_timeout_s: float = 10.0  # a load taking longer fails (and is recomputed)
+    lookup_timeout_s: float = 2.0
+    max_inflight: int = 8  # parallel block transfers
+
+    def __post_init__(self):
+        if self.role not in ("producer", "consumer", "both"):
+            raise ValueError(f"role must be producer, consumer or both, got {self.role!r}")
+        for name in ("lease_s", "load_timeout_s", "lookup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+
+
+@dataclass
+class ConnectorStats:
+    blocks_saved: int = 0
+    blocks_loaded: int = 0
+    bytes_saved: int = 0
+    bytes_loaded: int = 0
+    save_failures: int = 0
+    load_failures: int = 0  # loads that stopped early (miss, corrupt, timeout, store down)
+    lookup_failures: int = 0
+    save_seconds: float = 0.0
+    load_seconds: float = 0.0
+    failure_reasons: dict = field(default_factory=dict)
+
+
+class StoreKVConnector(KVConnector):
+    def __init__(self, store: BlockStore, codec: BlockCodec, config: ConnectorConfig,
+                 io: Optional[IOThread] = None):
+        self.store, self.codec, self.config = store, codec, config
+        self.io = io or IOThread()
+        self.stats = ConnectorStats()
+        self.kv_caches: list[torch.Tensor] = []
+        self._lock = threading.Lock()  # guards the three result sets and _saving
+        self._saved: set[str] = set()
+        self._loaded: set[str] = set()
+        self._failed: dict[str, int] = {}
+        self._saving: dict[str, int] = {}  # request id -> puts in flight
+        self._step: Optional[tuple[list, torch.Tensor, torch.Tensor, bytearray]] = None
+        self._sem: Optional[asyncio.Semaphore] = None
+
+    @property
+    def produces(self) -> bool:
+        return self.config.role in ("producer", "both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.config.role in ("consumer", "both")
+
+    # -- scheduler side --------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
+        if not self.consumes:
+            return 0
+        bs = self.codec.block_size
+        keys = request.block_hashes[num_computed_tokens // bs:]
+        if not keys:
+            return 0
+        hint = request.kv_params.get("block_keys")
+        if hint is not None:
+            start = num_computed_tokens // bs
+            n = 0
+            while start + n < len(hint) and n < len(keys) and hint[start + n] == keys[n]:
+                n += 1
+            return n * bs
+        try:
+            n = self.io.run(self.store.prefix_lookup(list(keys)), self.config.lookup_timeout_s)
+        except Exception as exc:  # store unreachable: recompute
+            self.stats.lookup_failures += 1
+            self._note_failure(type(exc).__name__)
+            return 0
+        return n * bs
+
+    def update_state_after_alloc(self, request, block_ids, num_computed_tokens,
+                                 num_external_tokens) -> None:
+        bs = self.codec.block_size
+        first, last = num_computed_tokens // bs, (num_computed_tokens + num_external_tokens) // bs
+        keys = list(request.block_hashes[first:last])
+        self.io.submit(self._load(request.request_id, keys, list(block_ids[first:last])))
+
+    def request_finished(self, request, block_ids) -> bool:
+        with self._lock:
+            return self._saving.get(request.request_id, 0) > 0
+
+    # -- worker side -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+
+    def begin_step(self, batch) -> None:
+        if not self.produces:
+            return
+        bs = self.codec.block_size
+        staged = []  # (request id, key, block id)
+        for req, n, block_ids in batch:
+            c = req.num_computed_tokens
+            for i in range(c // bs, (c + n) // bs):
+                staged.append((req.request_id, req.block_hashes[i], block_ids[i]))
+        if not staged:
+            self._step = None
+            return
+        buf = bytearray(len(staged) * self.codec.nbytes)
+        ids = torch.tensor([b for _, _, b in staged], dtype=torch.long)
+        self._step = (staged, ids, self._staging_view(buf, len(staged)), buf)
+
+    def _staging_view(self, buf: bytearray, n: int) -> torch.Tensor:
+        """[n, layers, 2, bs, kvh, d] over the payload regions of n encoded blocks in buf."""
+        item = self.codec.nbytes // 4
+        flat = torch.frombuffer(buf, dtype=torch.float32)
+        shape = (n,) + self.codec.payload_shape
+        inner = torch.empty(self.codec.payload_shape).stride()
+        return flat.as_strided(shape, (item,) + inner, HEADER_SIZE // 4)
+
+    def save_layer(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
+        if self._step is None:
+            return
+        _, ids, view, _ = self._step
+        view[:, layer_idx].copy_(kv_cache[:, ids].transpose(0, 1))  # [n, 2, bs, kvh, d]
+
+    def end_step(self) -> None:
+        if self._step is None:
+            return
+        staged, _, _, buf = self._step
+        self._step = None
+        with self._lock:
+            for rid, _, _ in staged:
+                self._saving[rid] = self._saving.get(rid, 0) + 1
+        self.io.submit(self._save(staged, buf))
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        with self._lock:
+            saved, loaded = self._saved, self._loaded
+            self._saved, self._loaded = set(), set()
+        return saved, loaded
+
+    def get_failed_loads(self) -> dict[str, int]:
+        with self._lock:
+            failed, self._failed = self._failed, {}
+        return failed
+
+    def finish_waits_for_save(self) -> bool:
+        return self.config.role == "producer"
+
+    def close(self) -> None:
+        self.io.close()
+
+    # -- I/O (runs on the I/O thread) ------------------------------------------------------
+    def _semaphore(self) -> asyncio.Semaphore:
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.config.max_inflight)
+        return self._sem
+
+    async def _save(self, staged, buf: bytearray) -> None:
+        t0 = time.perf_counter()
+        size = self.codec.nbytes
+        whole = memoryview(buf)
+
+        async def put(j: int, key: bytes) -> bool:
+            view = whole[j * size:(j + 1) * size]
+            view[:HEADER_SIZE] = self.codec.header(key, view[HEADER_SIZE:])
+            async with self._semaphore():
+                try:
+                    await self.store.put(key, view, self.config.lease_s)
+                    return True
+                except Exception as exc:
+                    self._note_failure("save:" + type(exc).__name__)
+                    return False
+
+        ok = await asyncio.gather(*(put(j, key) for j, (_, key, _) in enumerate(staged)))
+        self.stats.blocks_saved += sum(ok)
+        self.stats.save_failures += len(ok) - sum(ok)
+        self.stats.bytes_saved += sum(ok) * size
+        self.stats.save_seconds += time.perf_counter() - t0
+        with self._lock:
+            for rid, _, _ in staged:
+                self._saving[rid] -= 1
+                if self._saving[rid] == 0:
+                    del self._saving[rid]
+                    self._saved.add(rid)
+
+    async def _load(self, rid: str, keys: list[bytes], block_ids: list[int]) -> None:
+        t0 = time.perf_counter()
+        bufs = [bytearray(self.codec.nbytes) for _ in keys]
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(*(self._fetch(k, b) for k, b in zip(keys, bufs)),
+                               return_exceptions=True), self.config.load_timeout_s)
+        except asyncio.TimeoutError:
+            results = [asyncio.TimeoutError()] * len(keys)
+        loaded = 0
+        for key, block_id, buf, got in zip(keys, block_ids, bufs, results):
+            if not self._install(key, block_id, buf, got):
+                break
+            loaded += 1
+        self.stats.blocks_loaded += loaded
+        self.stats.bytes_loaded += loaded * self.codec.nbytes
+        self.stats.load_seconds += time.perf_counter() - t0
+        with self._lock:
+            if loaded == len(keys):
+                self._loaded.add(rid)
+            else:
+                self.stats.load_failures += 1
+                self._failed[rid] = loaded * self.codec.block_size
+
+    async def _fetch(self, key: bytes, buf: bytearray) -> Optional[int]:
+        async with self._semaphore():
+            return await self.store.get_into(key, memoryview(buf))
+
+    def _install(self, key: bytes, block_id: int, buf: bytearray, got) -> bool:
+        """Validate one fetched block and write it into every layer's cache."""
+        if isinstance(got, BaseException) or got is None:
+            self._note_failure("miss" if got is None else type(got).__name__)
+            return False
+        try:
+            block = self.codec.decode(key, memoryview(buf)[:got])  # [L, 2, bs, kvh, d]
+        except BlockCodecError as exc:
+            self._note_failure("codec")
+            log.warning("%s", exc)
+            return False
+        for layer, cache in enumerate(self.kv_caches):
+            cache[:, block_id].copy_(block[layer])
+        return True
+
+    def _note_failure(self, reason: str) -> None:
+        self.stats.failure_reasons[reason] = self.stats.failure_reasons.get(reason, 0) + 1

@@ -1,0 +1,163 @@
+"""KV connector over an in-process store with the tiny model: producer saves, consumer loads,
+greedy tokens equal a unified engine's; every load failure becomes a recomputation."""
+
+import time
+
+import pytest
+import torch
+
+from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.common.engine.engine_core import EngineCore
+from pdserve.common.engine.request import RequestStatus
+from pdserve.common.models.registry import load_model
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.connector.codec import BlockCodec
+from pdserve.connector.store import InMemoryBlockStore
+from pdserve.connector.store_connector import ConnectorConfig, StoreKVConnector
+
+BS = 16
+PROMPTS = [list(range(1, 60)), list(range(100, 140)), [7] * 33]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    return load_model("tiny")
+
+
+def engine(tiny, store=None, role=None, **conn_kw):
+    factory = None
+    if store is not None:
+        def factory(e):
+            c = e.model_config
+            codec = BlockCodec(e.fingerprint, c.num_layers, BS, c.num_kv_heads, c.head_dim)
+            return StoreKVConnector(store, codec, ConnectorConfig(role=role, **conn_kw))
+    cfg = EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=64,
+                       block_size=BS), scheduler=SchedulerConfig(max_model_len=256))
+    return EngineCore(cfg, tiny, factory)
+
+
+def run(core, requests):
+    """requests: (rid, prompt, params, first_token) -> {rid: (token ids, finished output)}."""
+    for rid, ids, params, first in requests:
+        core.add_request(rid, ids, params, first_token_id=first)
+    got = {rid: [] for rid, *_ in requests}
+    final = {}
+    deadline = time.monotonic() + 60
+    while core.has_unfinished_requests():
+        assert time.monotonic() < deadline, "engine did not finish"
+        for o in core.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                final[o.request_id] = o
+    return got, final
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    got, _ = run(engine(tiny), [(f"r{i}", p, GREEDY, None) for i, p in enumerate(PROMPTS)])
+    return got
+
+
+def prefill_then_decode(tiny, store, decode=None):
+    prefill = engine(tiny, store, "producer")
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    got, final = run(prefill, [(f"r{i}", p, first, None) for i, p in enumerate(PROMPTS)])
+    assert prefill.num_free_blocks == prefill.num_total_blocks  # held blocks came back
+    for i, p in enumerate(PROMPTS):  # finished only once saved: all its blocks are there
+        hashes = final[f"r{i}"].block_hashes
+        assert len(hashes) == len(p) // BS and all(h in store.objects for h in hashes)
+    decode = decode or engine(tiny, store, "consumer")
+    out, _ = run(decode, [(f"r{i}", p, GREEDY, got[f"r{i}"][0]) for i, p in enumerate(PROMPTS)])
+    prefill.close()
+    return {r: got[r] + toks for r, toks in out.items()}, decode
+
+
+def test_disaggregated_equals_unified(tiny, reference):
+    store = InMemoryBlockStore()
+    tokens, decode = prefill_then_decode(tiny, store)
+    assert tokens == reference
+    stats = decode.connector.stats
+    assert stats.blocks_loaded == sum(len(p) // BS for p in PROMPTS) and stats.load_failures == 0
+    assert decode.stats().num_kv_load_failures == 0
+    assert decode.num_free_blocks == decode.num_total_blocks
+    decode.close()
+
+
+def test_store_hit_skips_prefill_on_another_instance(tiny, reference):
+    store = InMemoryBlockStore()
+    prefill_then_decode(tiny, store)[1].close()
+    other = engine(tiny, store, "consumer")  # a different decode instance, no prefill at all
+    got, final = run(other, [(f"r{i}", p, GREEDY, None) for i, p in enumerate(PROMPTS)])
+    assert got == reference
+    assert other.connector.stats.blocks_loaded > 0 and store.gets > 0
+    other.close()
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "delete", "store_down", "wrong_model"])
+def test_failed_load_is_recomputed(tiny, reference, damage):
+    store = InMemoryBlockStore()
+    tokens, d = prefill_then_decode(tiny, store)
+    d.close()
+    key = sorted(store.objects)[0]
+    if damage == "corrupt":
+        for k, v in list(store.objects.items()):
+            b = bytearray(v)
+            b[-5] ^= 0xFF
+            store.objects[k] = bytes(b)
+    elif damage == "delete":  # evicted between the lookup and the load
+        store.objects.pop(key)
+
+        async def stale_lookup(keys):
+            return len(keys)
+        store.prefix_lookup = stale_lookup
+    elif damage == "store_down":
+        store.down = True
+    decode = engine(tiny, store, "consumer")
+    if damage == "wrong_model":
+        c = decode.connector.codec
+        decode.connector.codec = BlockCodec("ab" * 32, c.num_layers, BS, c.num_kv_heads,
+                                            c.head_dim)
+    got, _ = run(decode, [(f"r{i}", p, GREEDY, None) for i, p in enumerate(PROMPTS)])
+    assert got == reference
+    s = decode.connector.stats
+    if damage == "store_down":
+        assert s.lookup_failures == len(PROMPTS)
+    elif damage == "delete":
+        assert s.load_failures >= 1 and s.failure_reasons.get("miss", 0) >= 1
+    else:
+        assert s.load_failures == len(PROMPTS) and s.failure_reasons["codec"] == len(PROMPTS)
+    assert decode.num_free_blocks == decode.num_total_blocks
+    decode.close()
+
+
+def test_slow_load_times_out_and_recomputes(tiny, reference):
+    store = InMemoryBlockStore()
+    prefill_then_decode(tiny, store)[1].close()
+    store.delay_s = 1.0
+    decode = engine(tiny, store, "consumer", load_timeout_s=0.2)
+    got, _ = run(decode, [("r0", PROMPTS[0], GREEDY, None)])
+    assert got["r0"] == reference["r0"]
+    assert decode.connector.stats.failure_reasons.get("TimeoutError", 0) >= 1
+    decode.close()
+
+
+def test_cancel_while_waiting_for_kv(tiny):
+    store = InMemoryBlockStore()
+    prefill_then_decode(tiny, store)[1].close()
+    store.delay_s = 0.3
+    decode = engine(tiny, store, "consumer")
+    decode.add_request("c", PROMPTS[0], GREEDY)
+    decode.step()
+    req = decode.scheduler.kv_waiting["c"]
+    assert req.status == RequestStatus.WAITING_FOR_KV
+    decode.abort_request("c")
+    assert decode.num_free_blocks < decode.num_total_blocks  # still being written into
+    run(decode, [])
+    assert req.history[-2:] == [RequestStatus.CANCELLED, RequestStatus.RECLAIMED]
+    assert decode.num_free_blocks == decode.num_total_blocks
+    decode.close()
