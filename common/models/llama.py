@@ -40,7 +40,7 @@ class Attention(nn.Module):
         self.backend, self.rope = backend, rope
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
+    def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata):
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (h + 2 kvh) d]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
+        q, k = self.rope(cos_sin, q, k)
         self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, h, d]
         return self.o_proj(out.reshape(t, q_size))
@@ -74,8 +74,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+    def forward(self, cos_sin, x, kv_cache, meta):
+        x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -91,6 +91,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                cfg.rope_scaling)
+        self.rope = rope
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rope)
@@ -107,8 +108,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> hidden states [T, hidden]. `layer_done(i, kv_cache)`
         runs after layer i wrote its K/V (the KV connector saves layer by layer)."""
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rope.cos_sin(positions)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(positions, x, kv_cache, meta)
+            x = layer(cos_sin, x, kv_cache, meta)
             if layer_done is not None:
                 layer_done(i, kv_cache)
         return self.norm(x)

@@ -43,10 +43,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", torch.cat([freqs.cos()] * 2, -1), persistent=False)
         self.register_buffer("sin", torch.cat([freqs.sin()] * 2, -1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, h, d], k [T, kvh, d] -> rotated q, k."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, d]
-        sin = self.sin[positions].unsqueeze(1)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, d] for positions [T]; computed once per forward, used by every
+        layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def forward(self, cos_sin, q: torch.Tensor, k: torch.Tensor):
+        """q [T, h, d], k [T, kvh, d] -> rotated q, k."""
+        cos, sin = cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
