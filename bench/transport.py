@@ -1,0 +1,244 @@
+"""`pdserve bench transport`: KV transport throughput and round trip against a raw socket.
+
+Each contender's server runs in its own process (a core of its own, as a storage node would)
+and sinks payloads into a preallocated buffer; the client sends `size` payloads, each answered
+by a tiny ack (the put direction). The raw socket baseline is blocking `sendall`/`recv_into`
+over loopback with the same framing. Figures are medians over repetitions; the last line of
+output is one JSON object (see `_summary`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import struct
+import time
+
+import numpy as np
+
+MiB = 1 << 20
+_LEN = struct.Struct("!Q")
+CONTENDERS = ("socket", "tcp", "ucx")
+
+
+def add_transport_subcommand(sub) -> None:
+    p = sub.add_parser("transport", help="UCX and TCP transports vs a raw loopback socket")
+    _add_args(p)
+    p.set_defaults(func=_run)
+
+
+def _parse(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pdserve bench transport")
+    _add_args(p)
+    return p.parse_args(argv)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes-mib", default="1,4,16,64", help="payload sizes, MiB")
+    p.add_argument("--bytes-per-rep-mib", type=int, default=128, help="data sent per repetition")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rtt-iters", type=int, default=2000)
+    p.add_argument("--transports", default=",".join(CONTENDERS))
+    p.add_argument("--ucx-progress-mode", default=None,
+                   help="blocking|polling|thread|thread-polling; default: UcxConfig's")
+
+
+# ---- server side (child process) -------------------------------------------------------
+
+def _raw_server(lsock: socket.socket, max_size: int) -> None:
+    sink = memoryview(bytearray(max_size))
+    conn, _ = lsock.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    head = memoryview(bytearray(_LEN.size))
+    while True:
+        if not _recv_exact(conn, head):
+            return
+        (n,) = _LEN.unpack(head)
+        _recv_exact(conn, sink[:n])
+        conn.sendall(b"k")
+
+
+def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+class _Sink:
+    """Lands every payload in one preallocated buffer, as a storage node's segment would."""
+
+    def __init__(self, max_size: int):
+        self._buf = memoryview(np.empty(max_size, dtype=np.uint8)).cast("B")
+
+    def payload_buffer(self, header: bytes, nbytes: int):
+        return self._buf[:nbytes]
+
+    async def handle(self, header: bytes, payload):
+        return b"k", b""
+
+
+def _server_main(kind: str, max_size: int, progress_mode: str, conn) -> None:
+    if kind == "socket":
+        lsock = socket.create_server(("127.0.0.1", 0))
+        conn.send(lsock.getsockname()[1])
+        _raw_server(lsock, max_size)
+        return
+    asyncio.run(_async_server(kind, max_size, progress_mode, conn))
+
+
+async def _async_server(kind, max_size, progress_mode, conn) -> None:
+    listener = await _transport(kind, progress_mode).listen("127.0.0.1", 0, _Sink(max_size))
+    conn.send(listener.port)
+    await asyncio.Event().wait()  # until the parent terminates us
+
+
+def _transport(kind: str, progress_mode: str):
+    from pdserve.connector.transport.tcp import TcpTransport
+    from pdserve.connector.transport.ucx import UcxConfig, UcxTransport
+
+    if kind == "ucx":
+        return UcxTransport(UcxConfig(progress_mode=progress_mode) if progress_mode else None)
+    return TcpTransport()
+
+
+# ---- client side -----------------------------------------------------------------------
+
+async def _measure(send, sizes, per_rep: int, reps: int, rtt_iters: int) -> dict:
+    """Median GB/s per payload size and median small-message round trip (us)."""
+    data = memoryview(np.random.default_rng(0).integers(0, 255, max(sizes), dtype=np.uint8))
+    gbps = {}
+    for size in sizes:
+        count = max(1, per_rep // size)
+        await send(data[:size])  # warm-up: connection set-up, page faults in the sink
+        runs = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(count):
+                await send(data[:size])
+            runs.append(size * count / (time.perf_counter() - t0) / 1e9)
+        gbps[size] = statistics.median(runs)
+    rtts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(rtt_iters):
+            await send(data[:0])
+        rtts.append((time.perf_counter() - t0) / rtt_iters * 1e6)
+    return {"gbps": gbps, "rtt_us": statistics.median(rtts)}
+
+
+async def _raw_client(port: int, args, sizes) -> dict:
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ack = memoryview(bytearray(1))
+
+    async def send(payload: memoryview) -> None:  # blocking on purpose: the bare syscalls
+        s.sendall(_LEN.pack(len(payload)))
+        s.sendall(payload)
+        _recv_exact(s, ack)
+
+    try:
+        return await _measure(send, sizes, args.bytes_per_rep_mib * MiB, args.reps,
+                              args.rtt_iters)
+    finally:
+        s.close()
+
+
+async def _transport_client(kind: str, port: int, args, sizes) -> dict:
+    conn = await _transport(kind, args.ucx_progress_mode).connect(f"127.0.0.1:{port}")
+
+    async def send(payload: memoryview) -> None:
+        await conn.request(b"put", payload)
+
+    try:
+        return await _measure(send, sizes, args.bytes_per_rep_mib * MiB, args.reps,
+                              args.rtt_iters)
+    finally:
+        await conn.close()
+
+
+def _run_one(kind: str, args, sizes) -> dict:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_server_main, args=(kind, max(sizes), args.ucx_progress_mode, child),
+                       daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(60):
+            raise RuntimeError(f"{kind} bench server did not start")
+        port = parent.recv()
+        client = _raw_client if kind == "socket" else (
+            lambda p, a, s: _transport_client(kind, p, a, s))
+        return asyncio.run(client(port, args, sizes))
+    finally:
+        proc.terminate()
+        proc.join(10)
+
+
+# ---- report ----------------------------------------------------------------------------
+
+def _summary(results: dict, sizes) -> dict:
+    base = results.get("socket")
+    ratios = {}
+    if base:
+        for kind, res in results.items():
+            if kind != "socket":
+                ratios[kind] = {s // MiB: res["gbps"][s] / base["gbps"][s] for s in sizes}
+    big = [r for per in ratios.values() for s, r in per.items() if s >= 1]
+    return {
+        "bench": "transport",
+        "gbps": {k: {s // MiB: round(v["gbps"][s], 3) for s in sizes} for k, v in results.items()},
+        "rtt_us": {k: round(v["rtt_us"], 1) for k, v in results.items()},
+        "ratio_vs_socket": {k: {s: round(r, 3) for s, r in v.items()} for k, v in ratios.items()},
+        "min_ratio_by_transport": {k: round(min(v.values()), 3) for k, v in ratios.items()},
+        "min_ratio_vs_socket": round(min(big), 3) if big else None,
+    }
+
+
+def _print_table(summary: dict, sizes) -> None:
+    kinds = list(summary["gbps"])
+    print(f"{'payload':>10} " + " ".join(f"{k + ' GB/s':>11}" for k in kinds)
+          + "".join(f" {k + '/socket':>12}" for k in summary["ratio_vs_socket"]))
+    for s in sizes:
+        mib = s // MiB
+        row = f"{str(mib) + ' MiB':>10} " + " ".join(
+            f"{summary['gbps'][k][mib]:>11.3f}" for k in kinds)
+        row += "".join(f" {v[mib]:>12.2f}" for v in summary["ratio_vs_socket"].values())
+        print(row)
+    print(f"{'rtt (us)':>10} " + " ".join(f"{summary['rtt_us'][k]:>11.1f}" for k in kinds))
+
+
+def main(argv=None) -> int:
+    return _run(_parse(argv))
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        import torch
+
+        torch.set_num_threads(1)  # nothing here computes; keep torch off the shared cores
+    except ImportError:
+        pass
+    sizes = [int(x) * MiB for x in args.sizes_mib.split(",")]
+    kinds = [k for k in args.transports.split(",") if k]
+    unknown = set(kinds) - set(CONTENDERS)
+    if unknown:
+        raise ValueError(f"unknown transports {sorted(unknown)}; choose from {CONTENDERS}")
+    results = {}
+    for kind in kinds:
+        results[kind] = _run_one(kind, args, sizes)
+    summary = _summary(results, sizes)
+    _print_table(summary, sizes)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""KV transports: UCX (ucxx) and plain TCP behind one interface (see base.py).
+
+`make_transport(kind)` picks one: "ucx", "tcp", or "auto" (UCX where ucxx imports and can
+start a context, else TCP).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pdserve.connector.transport.base import (Connection, FunctionHandler, Listener, Message,
+                                              RemoteError, RequestHandler, Transport,
+                                              TransportError)
+
+TRANSPORT_KINDS = ("auto", "ucx", "tcp")
+log = logging.getLogger(__name__)
+
+__all__ = ["Connection", "FunctionHandler", "Listener", "Message", "RemoteError",
+           "RequestHandler", "Transport", "TransportError", "TRANSPORT_KINDS",
+           "UcxUnavailable", "make_transport", "ucx_available"]
+
+
+class UcxUnavailable(RuntimeError):
+    """transport="ucx" was asked for but ucxx cannot be imported or started here."""
+
+
+def ucx_available() -> tuple[bool, str]:
+    """(usable, why not): ucxx imports and a UCX context starts."""
+    try:
+        from pdserve.connector.transport.ucx import UcxConfig, ensure_initialized
+
+        ensure_initialized(UcxConfig())
+    except Exception as exc:  # ImportError, a missing libucx, a UCX config error, ...
+        return False, f"{type(exc).__name__}: {exc}"
+    return True, ""
+
+
+def make_transport(kind: str = "auto") -> Transport:
+    if kind not in TRANSPORT_KINDS:
+        raise ValueError(f"transport must be one of {TRANSPORT_KINDS}, got {kind!r}")
+    if kind in ("auto", "ucx"):
+        ok, why = ucx_available()
+        if ok:
+            from pdserve.connector.transport.ucx import UcxTransport
+
+            return UcxTransport()
+        if kind == "ucx":
+            raise UcxUnavailable(f"ucx transport unavailable: {why}")
+        log.info("ucx unavailable (%s); using tcp", why)
+    from pdserve.connector.transport.tcp import TcpTransport
+
+    return TcpTransport()

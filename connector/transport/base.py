@@ -1,0 +1,109 @@
+"""The KV transport interface: request/response of (header bytes, payload buffer).
+
+A server `listen`s with a `RequestHandler`; a client `connect`s and sends requests. Each
+message is a small header (metadata, encoded by the caller) and a payload buffer (KV bytes).
+Payloads are never copied by the interface itself: the handler says where an incoming payload
+lands (`payload_buffer`, e.g. a slice of a storage segment) and a client may pass `out=` to
+receive a response payload straight into its own buffer (e.g. a KV block).
+
+A connection carries one request at a time (calls are serialized on it); open several
+connections for parallel transfers.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Protocol, Union
+
+# Anything exposing a contiguous buffer: bytes, bytearray, memoryview, numpy arrays.
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class TransportError(ConnectionError):
+    """The peer cannot be reached or the connection broke mid-request."""
+
+
+class RemoteError(RuntimeError):
+    """The peer's handler raised; the message is the peer's description of it."""
+
+
+@dataclass(frozen=True)
+class Message:
+    header: bytes
+    payload: memoryview
+
+
+class RequestHandler(Protocol):
+    def payload_buffer(self, header: bytes, nbytes: int) -> memoryview | None:
+        """Where an incoming payload of `nbytes` should land; None -> a fresh buffer."""
+
+    async def handle(self, header: bytes, payload: memoryview) -> tuple[bytes, Buffer]:
+        """Serve one request; returns the response (header, payload)."""
+
+
+class FunctionHandler:
+    """A `RequestHandler` from a coroutine function; payloads land in fresh buffers."""
+
+    def __init__(self, fn: Callable[[bytes, memoryview], Awaitable[tuple[bytes, Buffer]]]):
+        self._fn = fn
+
+    def payload_buffer(self, header: bytes, nbytes: int) -> memoryview | None:
+        return None
+
+    async def handle(self, header: bytes, payload: memoryview) -> tuple[bytes, Buffer]:
+        return await self._fn(header, payload)
+
+
+class Connection(abc.ABC):
+    @abc.abstractmethod
+    async def request(self, header: bytes, payload: Buffer = b"",
+                      out: memoryview | None = None) -> Message:
+        """Send one request and wait for its response.
+
+        `out`, when given and large enough, receives the response payload (the returned
+        `Message.payload` is then a view of it). Raises TransportError when the connection
+        fails and RemoteError when the peer's handler raised.
+        """
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+class Listener(abc.ABC):
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+class Transport(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    async def connect(self, addr: str) -> Connection:
+        """Connect to "host:port"; raises TransportError if nobody listens there."""
+
+    @abc.abstractmethod
+    async def listen(self, host: str, port: int, handler: RequestHandler) -> Listener:
+        """Serve `handler` on host:port (0 -> a free port; see `Listener.port`)."""
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"transport address must be host:port, got {addr!r}")
+    return host, int(port)
+
+
+def as_bytes_view(buf: Buffer) -> memoryview:
+    """A flat unsigned-byte view of any contiguous buffer (numpy arrays included)."""
+    view = memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view

@@ -1,0 +1,55 @@
+"""Frozen, validated settings of the KV store master and storage nodes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MasterConfig:
+    host: str = "127.0.0.1"
+    port: int = 50090
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = "pdserve:kv"  # redis key prefix: several stores can share one redis
+    replica_num: int = 1  # default copies per object
+    high_watermark: float = 0.95  # a node fuller than this evicts ...
+    low_watermark: float = 0.85  # ... down to this
+    read_lease_s: float = 5.0  # a read renews the lease for this long (covers the transfer)
+    put_timeout_s: float = 30.0  # a write not ended by then is revoked (crashed writer)
+    heartbeat_interval_s: float = 1.0
+    node_timeout_s: float = 5.0  # no heartbeat for this long -> the node and its replicas go
+    sweep_interval_s: float = 0.5
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise ValueError("port must be in [0, 65535]")
+        if self.replica_num < 1:
+            raise ValueError("replica_num must be >= 1")
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            raise ValueError("need 0 < low_watermark < high_watermark <= 1")
+        for name in ("read_lease_s", "put_timeout_s", "heartbeat_interval_s",
+                     "node_timeout_s", "sweep_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.node_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("node_timeout_s must exceed heartbeat_interval_s")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    master_addr: str = "127.0.0.1:50090"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 -> a free port
+    capacity: int = 1 << 30  # segment bytes
+    node_id: str = ""  # empty -> host:port
+    transport: str = "auto"  # auto | ucx | tcp
+
+    def __post_init__(self):
+        if self.capacity <= 0:
+            raise ValueError("capacity must be positive")
+        if not 0 <= self.port < 65536:
+            raise ValueError("port must be in [0, 65535]")
+        if self.transport not in ("auto", "ucx", "tcp"):
+            raise ValueError("transport must be auto, ucx or tcp")
+        if ":" not in self.master_addr:
+            raise ValueError("master_addr must be host:port")

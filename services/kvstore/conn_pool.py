@@ -1,0 +1,45 @@
+"""A few transport connections per storage node, reused across requests.
+
+A transport connection carries one request at a time, so parallel transfers to one node need
+several; a connection that failed is dropped, not returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+
+from pdserve.connector.transport import Connection, Transport, TransportError
+
+
+class _NodeConns:
+    def __init__(self, limit: int):
+        self.idle: list[Connection] = []
+        self.slots = asyncio.Semaphore(limit)
+
+
+class ConnectionPool:
+    def __init__(self, transport: Transport, per_node: int = 4):
+        if per_node < 1:
+            raise ValueError("per_node must be >= 1")
+        self._transport = transport
+        self._per_node = per_node
+        self._nodes: dict[str, _NodeConns] = {}
+
+    @asynccontextmanager
+    async def connection(self, addr: str):
+        node = self._nodes.setdefault(addr, _NodeConns(self._per_node))
+        async with node.slots:
+            conn = node.idle.pop() if node.idle else await self._transport.connect(addr)
+            try:
+                yield conn
+            except (TransportError, asyncio.CancelledError):
+                await conn.close()  # mid-request state is unknown: never reuse it
+                raise
+            node.idle.append(conn)
+
+    async def close(self) -> None:
+        for node in self._nodes.values():
+            for conn in node.idle:
+                await conn.close()
+        self._nodes.clear()

@@ -1,0 +1,88 @@
+"""A private redis-server for tests and the local launcher.
+
+Lifecycle: `RedisProcess.start()` runs `redis-server` on a free loopback port with its files
+in a fresh temp dir, no persistence to disk beyond that dir, and waits until it answers PING;
+`stop()` terminates it (kills it after a grace period) and removes the dir. It is a context
+manager too. scripts/ensure_redis.sh installs redis-server where it is missing.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+
+class RedisUnavailable(RuntimeError):
+    """redis-server is not installed or did not come up."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RedisProcess:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, binary: str = "redis-server"):
+        self.host = host
+        self.port = port
+        self._binary = binary
+        self._proc: subprocess.Popen | None = None
+        self._dir: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> "RedisProcess":
+        exe = shutil.which(self._binary)
+        if exe is None:
+            raise RedisUnavailable("redis-server not found: run scripts/ensure_redis.sh")
+        self.port = self.port or free_port(self.host)
+        self._dir = tempfile.mkdtemp(prefix="pdserve-redis-")
+        self._proc = subprocess.Popen(
+            [exe, "--bind", self.host, "--port", str(self.port), "--dir", self._dir,
+             "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RedisUnavailable(f"redis-server exited with {self._proc.returncode}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RedisUnavailable(f"redis-server did not answer within {timeout_s} s")
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __enter__(self) -> "RedisProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
