@@ -1,10 +1,15 @@
 """Torch reference attention backend (the CPU path, and the reference the Triton kernels are
 tested against).
 
-Decodes are batched: their context is gathered from the paged cache into a padded dense tensor
-and attended with one SDPA call (key-padding mask). Prefill / extend requests are done one at a
-time: a prompt chunk with no cached prefix attends to its own keys (causal SDPA, no gather); a
-chunk with a prefix gathers its blocks and uses an offset causal mask.
+Decodes are batched. On the CPU with fp32 tensors they go to the native paged kernel
+(cpu_native.py: reads K/V through the block table, no copy) when it built; otherwise (other
+devices or dtypes, PDSERVE_NO_NATIVE=1, no compiler) their context is gathered from the paged
+cache into a padded dense tensor and attended with one SDPA call (key-padding mask): `_decode`,
+also the reference the native kernel is tested against.
+
+Prefill / extend requests are done one at a time: a prompt chunk with no cached prefix attends to
+its own keys (causal SDPA, no gather); a chunk with a prefix gathers its blocks and uses an offset
+causal mask.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.common.attention.backend import AttentionBackend, AttentionMetadata
+from pdserve.common.attention.cpu_native import load_cpu_kernels
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
@@ -61,6 +67,16 @@ def _prefill_one(q, k_new, v_new, kv_cache, block_table, seq_len, scale):
     return out.transpose(0, 1)
 
 
+def _native_decode_module(query, kv_cache, meta: AttentionMetadata):
+    """The native kernels when they apply to these tensors, else None (use `_decode`)."""
+    if (query.device.type != "cpu" or kv_cache.device.type != "cpu"
+            or query.dtype != torch.float32 or kv_cache.dtype != torch.float32
+            or not kv_cache.is_contiguous() or meta.block_tables.dtype != torch.int32
+            or meta.seq_lens.dtype != torch.int32):
+        return None
+    return load_cpu_kernels()  # built once per machine, then cached per process
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -73,7 +89,13 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(query)
         n_dec = meta.num_decodes
         if n_dec:
-            out[:n_dec] = _decode(query[:n_dec], kv_cache, meta, scale)
+            native = _native_decode_module(query, kv_cache, meta)
+            dec_out = out[:n_dec]
+            if native is not None and dec_out.is_contiguous():
+                native.paged_decode(query[:n_dec], kv_cache, meta.block_tables[:n_dec],
+                                    meta.seq_lens[:n_dec], float(scale), dec_out)
+            else:
+                dec_out[:] = _decode(query[:n_dec], kv_cache, meta, scale)
         loc = meta.query_start_loc.tolist() if meta.num_reqs > n_dec else ()
         for i in range(n_dec, meta.num_reqs):
             s, e = loc[i], loc[i + 1]

@@ -120,6 +120,100 @@ inline float exp_sub_sum(float* x, float m, int64_t n) {
   return sum;
 }
 
+// Scores of nt consecutive tokens of one block against the G queries:
+// sc[g * sc_stride + t] = q[g] . k[t], K rows row_stride apart. Also prefetches the same rows
+// of the blocks at pf_a and pf_b (either may be null) for the caller.
+void qk_block(const float* q, int64_t group, int64_t d, const float* k, int64_t row_stride,
+              int64_t nt, float* sc, int64_t sc_stride, const float* pf_a, const float* pf_b) {
+  int64_t t = 0;
+#ifdef PDSERVE_AVX2
+  // 8 tokens at a time: 8 accumulators per query, reduced together into one vector of 8 scores
+  // (one horizontal reduction per 8 dots instead of per dot)
+  if (d % 8 == 0) {
+    for (; t + 8 <= nt; t += 8) {
+      for (int64_t j = t; j < t + 8; ++j) {
+        if (pf_a) prefetch_row(pf_a + j * row_stride, d);
+        if (pf_b) prefetch_row(pf_b + j * row_stride, d);
+      }
+      const float* kt = k + t * row_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * d;
+        __m256 a[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < d; c += 8) {
+          const __m256 qv = _mm256_loadu_ps(qg + c);
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j)
+            a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + j * row_stride + c), a[j]);
+        }
+        // lane j of the result = sum of a[j]'s lanes
+        const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+        const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                         _mm256_permute2f128_ps(u0, u1, 0x31));
+        _mm256_storeu_ps(sc + g * sc_stride + t, sum);
+      }
+    }
+  }
+#endif
+  for (; t < nt; ++t) {
+    if (pf_a) prefetch_row(pf_a + t * row_stride, d);
+    if (pf_b) prefetch_row(pf_b + t * row_stride, d);
+    for (int64_t g = 0; g < group; ++g)
+      sc[g * sc_stride + t] = dot(q + g * d, k + t * row_stride, d);
+  }
+}
+
+#ifdef PDSERVE_AVX2
+// acc[g] += sum_t p[g, t] * v[t] for GC query heads, 8 lanes of d at a time: the GC
+// accumulators stay in registers over the tokens, each V vector is loaded once for all of them.
+template <int GC>
+void pv_chunk(float* acc, int64_t d, const float* p, int64_t p_stride, const float* v,
+              int64_t row_stride, int64_t nt) {
+  for (int64_t c = 0; c < d; c += 8) {
+    __m256 a[GC];
+#pragma GCC unroll 8
+    for (int g = 0; g < GC; ++g) a[g] = _mm256_loadu_ps(acc + g * d + c);
+    for (int64_t t = 0; t < nt; ++t) {
+      const __m256 vv = _mm256_loadu_ps(v + t * row_stride + c);
+#pragma GCC unroll 8
+      for (int g = 0; g < GC; ++g)
+        a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * p_stride + t), vv, a[g]);
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < GC; ++g) _mm256_storeu_ps(acc + g * d + c, a[g]);
+  }
+}
+#endif
+
+// acc[g] (d floats each) += sum_t p[g * p_stride + t] * v[t], V rows row_stride apart.
+void pv_block(float* acc, int64_t group, int64_t d, const float* p, int64_t p_stride,
+              const float* v, int64_t row_stride, int64_t nt) {
+#ifdef PDSERVE_AVX2
+  if (d % 8 == 0) {
+    for (int64_t g0 = 0; g0 < group; g0 += 8) {
+      float* a = acc + g0 * d;
+      const float* pg = p + g0 * p_stride;
+      switch (std::min<int64_t>(8, group - g0)) {
+        case 1: pv_chunk<1>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 2: pv_chunk<2>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 3: pv_chunk<3>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 4: pv_chunk<4>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 5: pv_chunk<5>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 6: pv_chunk<6>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 7: pv_chunk<7>(a, d, pg, p_stride, v, row_stride, nt); break;
+        default: pv_chunk<8>(a, d, pg, p_stride, v, row_stride, nt); break;
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t g = 0; g < group; ++g)
+      axpy(acc + g * d, p[g * p_stride + t], v + t * row_stride, d);
+}
+
 struct DecodeProblem {
   const float* query;
   int64_t q_row_stride;  // elements between requests' query rows
@@ -132,77 +226,96 @@ struct DecodeProblem {
   float scale;
 };
 
-// Per-thread scratch, reused across the (request, kv head) items a thread runs.
+// Prefetch distances in blocks, tuned on an EPYC at 16-token blocks: far enough ahead to cover
+// DRAM latency, near enough to stay in L1/L2 (K is needed first, V after the tile's softmax).
+constexpr int64_t kKAhead = 3, kVAhead = 2;
+
+// Per-thread scratch, reused across the items a thread runs; sized for all H query heads.
 struct Scratch {
-  std::vector<float> q, acc, scores, m, l;  // [G, d], [G, d], [G, tile], [G], [G]
-  Scratch(int64_t group, int64_t d, int64_t tile)
-      : q(group * d), acc(group * d), scores(group * tile), m(group), l(group) {}
+  std::vector<float> q, acc, scores, m, l;  // [H, d], [H, d], [H, tile], [H], [H]
+  Scratch(int64_t heads, int64_t d, int64_t tile)
+      : q(heads * d), acc(heads * d), scores(heads * tile), m(heads), l(heads) {}
 };
 
-// One (request r, kv head h): online softmax over tiles of whole blocks.
-void decode_one(const DecodeProblem& p, int64_t r, int64_t h, int64_t tile_blocks, Scratch& s) {
+// Request r, kv heads [h0, h1) (query heads h0*G .. h1*G-1): online softmax over tiles of whole
+// blocks. The kv-head loop sits inside the block loop so that, with the whole range, a block's
+// K (then V) is read front to back, bs * kvh * d contiguous floats, which the hardware
+// prefetcher and DRAM pages like better than one head's strided rows.
+void decode_item(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1, int64_t tile_blocks,
+                 Scratch& s) {
   const int64_t d = p.head_dim, bs = p.block_size, kvh = p.num_kv_heads;
   const int64_t group = p.num_heads / kvh;
+  const int64_t nh = (h1 - h0) * group;  // query heads of this item
   const int64_t tile = tile_blocks * bs;
   const int64_t len = p.seq_lens[r];
   const int32_t* table = p.block_tables + r * p.table_width;
   const int64_t row_stride = kvh * d;  // between consecutive tokens of one kv head in a block
 
-  // the group's query heads are contiguous: heads h*G .. h*G+G-1
-  const float* q_in = p.query + r * p.q_row_stride + h * group * d;
+  // the item's query heads are contiguous
+  const float* q_in = p.query + r * p.q_row_stride + h0 * group * d;
   float* q = s.q.data();
   float* acc = s.acc.data();
   float* sc = s.scores.data();
-  for (int64_t i = 0; i < group * d; ++i) q[i] = q_in[i] * p.scale;
-  std::fill(s.acc.begin(), s.acc.end(), 0.f);
-  std::fill(s.m.begin(), s.m.end(), -std::numeric_limits<float>::infinity());
-  std::fill(s.l.begin(), s.l.end(), 0.f);
+  float* m = s.m.data();
+  float* l = s.l.data();
+  for (int64_t i = 0; i < nh * d; ++i) q[i] = q_in[i] * p.scale;
+  std::fill(acc, acc + nh * d, 0.f);
+  std::fill(m, m + nh, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + nh, 0.f);
 
   const int64_t num_used = (len + bs - 1) / bs;
-  auto k_block = [&](int64_t b) { return p.k_cache + (table[b] * bs * kvh + h) * d; };
-  auto v_block = [&](int64_t b) { return p.v_cache + (table[b] * bs * kvh + h) * d; };
+  const int64_t block_elems = bs * kvh * d;
+  auto k_block = [&](int64_t b) { return p.k_cache + table[b] * block_elems; };
+  auto v_block = [&](int64_t b) { return p.v_cache + table[b] * block_elems; };
+  auto prefetch_block = [&](const float* block) {
+    for (int64_t t = 0; t < bs; ++t)
+      for (int64_t h = h0; h < h1; ++h) prefetch_row(block + t * row_stride + h * d, d);
+  };
+  for (int64_t b = 0; b < std::min(kKAhead, num_used); ++b) prefetch_block(k_block(b));
+  for (int64_t b = 0; b < std::min(kVAhead, num_used); ++b) prefetch_block(v_block(b));
   for (int64_t start = 0; start < len; start += tile) {
     const int64_t n = std::min(tile, len - start);
-    // scores [G, n]: each K row is loaded once and dotted with all G queries (L1-hot after g=0).
-    // Pages are scattered and a head's rows are strided, which the hardware prefetcher follows
-    // poorly: prefetch the next block's K row and this tile's V row as we go.
+    // scores [nh, n]: each K row is loaded once for all G queries of its group (L1-hot after the
+    // first). Pages are scattered and too short for the hardware prefetcher to get ahead, so
+    // prefetch K kKAhead blocks and V kVAhead blocks ahead (the first ones before the loop).
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
       const int64_t b = (start + t0) / bs;
       const float* k = k_block(b);
-      const float* v = v_block(b);
-      const float* k_next = b + 1 < num_used ? k_block(b + 1) : nullptr;
-      const int64_t nt = std::min(bs, n - t0);
-      for (int64_t t = 0; t < nt; ++t) {
-        if (k_next) prefetch_row(k_next + t * row_stride, d);
-        prefetch_row(v + t * row_stride, d);
-        const float* kt = k + t * row_stride;
-        for (int64_t g = 0; g < group; ++g) sc[g * tile + t0 + t] = dot(q + g * d, kt, d);
+      const float* k_ahead = b + kKAhead < num_used ? k_block(b + kKAhead) : nullptr;
+      const float* v_ahead = b + kVAhead < num_used ? v_block(b + kVAhead) : nullptr;
+      for (int64_t h = h0; h < h1; ++h) {
+        const int64_t j = (h - h0) * group;
+        qk_block(q + j * d, group, d, k + h * d, row_stride, std::min(bs, n - t0),
+                 sc + j * tile + t0, tile, k_ahead ? k_ahead + h * d : nullptr,
+                 v_ahead ? v_ahead + h * d : nullptr);
       }
     }
     // online softmax: rescale the running sums only when the max grows
-    for (int64_t g = 0; g < group; ++g) {
-      float* sg = sc + g * tile;
-      const float mx = *std::max_element(sg, sg + n);
-      if (mx > s.m[g]) {
-        const float alpha = std::exp(s.m[g] - mx);  // exp(-inf) = 0 on the first tile
-        scale_inplace(acc + g * d, alpha, d);
-        s.l[g] *= alpha;
-        s.m[g] = mx;
+    for (int64_t j = 0; j < nh; ++j) {
+      float* sj = sc + j * tile;
+      const float mx = *std::max_element(sj, sj + n);
+      if (mx > m[j]) {
+        const float alpha = std::exp(m[j] - mx);  // exp(-inf) = 0 on the first tile
+        scale_inplace(acc + j * d, alpha, d);
+        l[j] *= alpha;
+        m[j] = mx;
       }
-      s.l[g] += exp_sub_sum(sg, s.m[g], n);
+      l[j] += exp_sub_sum(sj, m[j], n);
     }
-    // acc[g] += sum_t p[g, t] * V[t]: each V row loaded once for all G heads
+    // acc[j] += sum_t p[j, t] * V[t]: each V row loaded once for all G heads of its group
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
       const float* v = v_block((start + t0) / bs);
-      const int64_t nt = std::min(bs, n - t0);
-      for (int64_t t = 0; t < nt; ++t, v += row_stride)
-        for (int64_t g = 0; g < group; ++g) axpy(acc + g * d, sc[g * tile + t0 + t], v, d);
+      for (int64_t h = h0; h < h1; ++h) {
+        const int64_t j = (h - h0) * group;
+        pv_block(acc + j * d, group, d, sc + j * tile + t0, tile, v + h * d, row_stride,
+                 std::min(bs, n - t0));
+      }
     }
   }
-  float* o = p.out + (r * p.num_heads + h * group) * d;
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.f / s.l[g];
-    for (int64_t i = 0; i < d; ++i) o[g * d + i] = acc[g * d + i] * inv;
+  float* o = p.out + (r * p.num_heads + h0 * group) * d;
+  for (int64_t j = 0; j < nh; ++j) {
+    const float inv = 1.f / l[j];
+    for (int64_t i = 0; i < d; ++i) o[j * d + i] = acc[j * d + i] * inv;
   }
 }
 
@@ -229,7 +342,7 @@ void check_metadata(const int32_t* tables, const int32_t* lens, int64_t num_reqs
 // out = softmax(scale * q K^T) V per request and head, K/V read through the block table.
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                        c10::optional<at::Tensor> out_opt) {
+                        c10::optional<at::Tensor> out_opt, int64_t heads_per_item) {
   TORCH_CHECK_VALUE(query.device().is_cpu() && kv_cache.device().is_cpu() &&
                         block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
                     "paged_decode: all tensors must be on the CPU");
@@ -268,7 +381,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
                       "paged_decode: out must be a contiguous float32 CPU tensor of shape ",
                       query.sizes());
   } else {
-    out = at::empty({num_reqs, heads, d}, query.options().memory_format(at::MemoryFormat::Contiguous));
+    out = at::empty({num_reqs, heads, d}, query.options());
   }
   if (num_reqs == 0) return out;
 
@@ -283,11 +396,20 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
                         static_cast<float>(scale)};
   // tiles of >= 64 tokens: fewer max/rescale passes than one block at a time
   const int64_t tile_blocks = std::max<int64_t>(1, 64 / bs);
-  const int64_t group = heads / kvh;
-  // one item per (request, kv head); grain 1 since each item streams a whole context
-  at::parallel_for(0, num_reqs * kvh, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(group, d, tile_blocks * bs);
-    for (int64_t i = begin; i < end; ++i) decode_one(p, i / kvh, i % kvh, tile_blocks, scratch);
+  // Items are (request, range of kv heads). A request's whole head range reads its blocks
+  // contiguously; one head per item gives more, smaller items when a few requests could not keep
+  // every thread busy.
+  if (heads_per_item <= 0)
+    heads_per_item = num_reqs >= 4 * at::get_num_threads() ? kvh : 1;
+  heads_per_item = std::min(heads_per_item, kvh);
+  const int64_t chunks = (kvh + heads_per_item - 1) / heads_per_item;
+  // grain 1: each item streams a whole context
+  at::parallel_for(0, num_reqs * chunks, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(heads, d, tile_blocks * bs);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h0 = (i % chunks) * heads_per_item;
+      decode_item(p, i / chunks, h0, std::min(h0 + heads_per_item, kvh), tile_blocks, scratch);
+    }
   });
   return out;
 }
@@ -295,7 +417,9 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention (CPU, fp32)",
         py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("out") = py::none());
+        py::arg("scale"), py::arg("out") = py::none(),
+        // kv heads per work item, 0 = auto (exposed for the benchmark and tests)
+        py::arg("heads_per_item") = 0);
 #ifdef PDSERVE_AVX2
   m.attr("simd") = "avx2";
 #else
