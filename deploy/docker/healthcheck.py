@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""`pdserve-healthcheck`: is a pdserve service healthy? Exit 0 if so, 1 if not (Docker's and
+Kubernetes' exec-probe convention). The image installs this file as
+/usr/local/bin/pdserve-healthcheck.
+
+    pdserve-healthcheck                       the `pdserve serve ...` process in this container
+    pdserve-healthcheck --pid N               the same, for process N's command line
+    pdserve-healthcheck http URL              GET URL answers 200 (the router's /health)
+    pdserve-healthcheck engine HOST:PORT [--role unified|decode|prefill]
+                                              the engine's gRPC Health says SERVING
+    pdserve-healthcheck kvstore-master HOST:PORT
+                                              the KV store master answers Stats
+    pdserve-healthcheck kvstore-node MASTER NODE_ID
+                                              the master lists NODE_ID among its live nodes
+
+Without a mode it reads the service's own command line (/proc/PID/cmdline) with pdserve's own
+`serve` parser, so the check always names the host, port and role the service really listens
+on; that is what the image's HEALTHCHECK and the Helm chart's exec probes use (Kubernetes does
+not expand $(VAR) in probes, but the process's command line already holds the expanded values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import urllib.error
+import urllib.request
+
+TIMEOUT_S = 3.0
+WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
+
+
+def check_http(url: str) -> tuple[bool, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as resp:
+            return resp.status == 200, f"{url} -> {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return False, f"{url} -> {exc.code}"
+    except (urllib.error.URLError, OSError) as exc:
+        return False, f"{url} -> {exc}"
+
+
+def check_engine(address: str, role: str = "unified") -> tuple[bool, str]:
+    import grpc
+
+    from pdserve.common.rpc import engine_pb2 as pb
+    from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
+
+    stub_type = pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub
+    with grpc.insecure_channel(address) as channel:
+        try:
+            health = stub_type(channel).Health(pb.HealthRequest(), timeout=TIMEOUT_S)
+        except grpc.RpcError as exc:
+            return False, f"engine {address}: {exc.code().name}"
+    ok = health.status == pb.HealthResponse.SERVING
+    return ok, f"engine {address} ({health.role}): {pb.HealthResponse.Status.Name(health.status)}"
+
+
+def _master_stats(address: str):
+    import grpc
+
+    from pdserve.common.rpc import kvstore_pb2 as pb
+    from pdserve.common.rpc import kvstore_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.KVStoreMasterStub(channel).Stats(pb.StatsRequest(), timeout=TIMEOUT_S)
+
+
+def check_kvstore_master(address: str) -> tuple[bool, str]:
+    import grpc
+
+    try:
+        stats = _master_stats(address)
+    except grpc.RpcError as exc:
+        return False, f"kvstore master {address}: {exc.code().name}"
+    return True, f"kvstore master {address}: {len(stats.nodes)} node(s)"
+
+
+def check_kvstore_node(master: str, node_id: str) -> tuple[bool, str]:
+    """The node is healthy when the master (which drops nodes that stop heartbeating) lists it;
+    an empty `node_id` accepts any node (the node's id was left to its transport address)."""
+    import grpc
+
+    try:
+        stats = _master_stats(master)
+    except grpc.RpcError as exc:
+        return False, f"kvstore master {master}: {exc.code().name}"
+    ids = {n.node_id for n in stats.nodes} | {n.address for n in stats.nodes}
+    ok = node_id in ids if node_id else bool(stats.nodes)
+    return ok, f"kvstore node {node_id or '(any)'} {'registered' if ok else 'not registered'} " \
+               f"at {master}"
+
+
+def _local(host: str) -> str:
+    return "127.0.0.1" if host in WILDCARD_HOSTS else host
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """`pdserve serve ...` exactly as the CLI parses it, without the heavy top-level imports."""
+    from pdserve.services.cli_serve import add_subcommands
+
+    parser = argparse.ArgumentParser(prog="pdserve")
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def serve_argv(cmdline: list[str]) -> list[str]:
+    """The words from `serve` on in a process's argv (`pdserve serve ...`, `python -m ...`)."""
+    for i, word in enumerate(cmdline):
+        if word == "serve" and i + 1 < len(cmdline):
+            return cmdline[i:]
+    raise ValueError(f"not a `pdserve serve` command line: {cmdline!r}")
+
+
+def check_for_args(args) -> tuple[bool, str]:
+    """The check that fits a parsed `pdserve serve <service> ...` namespace."""
+    service = args.service
+    if service == "router":
+        return check_http(f"http://{_local(args.host)}:{args.port}/health")
+    if service in ("decode", "prefill"):
+        return check_engine(f"{_local(args.host)}:{args.port}", args.role)
+    if service in ("kvstore-master", "kvstore"):
+        return check_kvstore_master(f"{_local(args.host)}:{args.port}")
+    if service == "kvstore-node":
+        node_id = args.node_id or (f"{args.host}:{args.node_port}" if args.node_port else "")
+        return check_kvstore_node(args.master, node_id)
+    return False, f"no health check for service {service!r}"
+
+
+def find_serve_pid() -> int:
+    """The pdserve serve process in this container: PID 1, or the first one below an init."""
+    pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+    for pid in pids:
+        try:
+            words = read_cmdline(pid)
+        except OSError:
+            continue
+        if any(os.path.basename(w) == "pdserve" for w in words[:2]) and "serve" in words:
+            return pid
+    raise LookupError("no `pdserve serve` process found")
+
+
+def read_cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return [w.decode() for w in f.read().split(b"\0") if w]
+
+
+def check_process(pid: int | None) -> tuple[bool, str]:
+    pid = find_serve_pid() if pid is None else pid
+    args = serve_parser().parse_args(serve_argv(read_cmdline(pid)))
+    return check_for_args(args)
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve-healthcheck", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__)
+    parser.add_argument("--pid", type=int, default=None, help="auto mode: check this process")
+    parser.add_argument("--quiet", action="store_true")
+    modes = parser.add_subparsers(dest="mode")
+    http = modes.add_parser("http")
+    http.add_argument("url")
+    engine = modes.add_parser("engine")
+    engine.add_argument("address")
+    engine.add_argument("--role", choices=["unified", "decode", "prefill"], default="unified")
+    master = modes.add_parser("kvstore-master")
+    master.add_argument("address")
+    node = modes.add_parser("kvstore-node")
+    node.add_argument("master")
+    node.add_argument("node_id")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    try:
+        if args.mode == "http":
+            ok, why = check_http(args.url)
+        elif args.mode == "engine":
+            ok, why = check_engine(args.address, args.role)
+        elif args.mode == "kvstore-master":
+            ok, why = check_kvstore_master(args.address)
+        elif args.mode == "kvstore-node":
+            ok, why = check_kvstore_node(args.master, args.node_id)
+        else:
+            ok, why = check_process(args.pid)
+    except (LookupError, ValueError, OSError) as exc:
+        ok, why = False, str(exc)
+    if not args.quiet:
+        print(("healthy: " if ok else "unhealthy: ") + why, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
