@@ -9,17 +9,37 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 
-def available_memory_bytes(device: str = "cpu") -> int:
-    """Free memory the KV cache may draw from: MemAvailable on the host, free HBM on CUDA."""
+def available_memory_bytes(device: str = "cpu", cgroup_dir: str = "/sys/fs/cgroup") -> int:
+    """Free memory the KV cache may draw from: free HBM on CUDA; on the host, MemAvailable,
+    capped by what the container's cgroup (v2) limit still allows, so a pod is not OOM-killed
+    for a KV cache sized from the whole host."""
     if str(device).startswith("cuda"):
         import torch
         free, _ = torch.cuda.mem_get_info()
         return int(free)
+    host = None
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+                host = int(line.split()[1]) * 1024
+    if host is None:
+        raise RuntimeError("MemAvailable not found in /proc/meminfo")
+    room = _cgroup_room(cgroup_dir)
+    return host if room is None else min(host, room)
+
+
+def _cgroup_room(cgroup_dir: str) -> Optional[int]:
+    """limit - usage of the cgroup v2 this process is in; None when unlimited or unknown."""
+    try:
+        with open(f"{cgroup_dir}/memory.max") as f:
+            limit = f.read().strip()
+        with open(f"{cgroup_dir}/memory.current") as f:
+            current = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    if limit == "max":
+        return None
+    return max(int(limit) - current, 0)
 
 
 @dataclass(frozen=True)
