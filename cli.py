@@ -19,6 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_offline_subcommand(bench_sub)
     from pdserve.bench.cli import add_bench_subcommands
     add_bench_subcommands(bench_sub)  # serve, sweep, compare
+    from pdserve.bench.kv import add_kv_subcommand
+    add_kv_subcommand(bench_sub)
     from pdserve.bench.transport import add_transport_subcommand
     add_transport_subcommand(bench_sub)
     return parser

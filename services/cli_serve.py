@@ -10,12 +10,14 @@ import argparse
 import asyncio
 import logging
 import sys
+from typing import Optional
 
 
 def add_subcommands(subparsers) -> None:
     up = subparsers.add_parser("up", help="start the whole stack (router + engines) locally")
-    up.add_argument("--mode", choices=["colocated"], default="colocated",
-                    help="colocated: one unified engine (prefill and decode in one process)")
+    up.add_argument("--mode", choices=["colocated", "disagg"], default="colocated",
+                    help="colocated: one unified engine (prefill and decode in one process); "
+                         "disagg: redis, KV store, prefill, decode and router processes")
     up.add_argument("--model", default="smollm2", help="smollm2, tiny, a GGUF file or HF dir")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000, help="router HTTP (OpenAI API)")
@@ -24,6 +26,7 @@ def add_subcommands(subparsers) -> None:
     up.add_argument("--log-dir", default=None, help="default: a new folder under /tmp")
     up.add_argument("--startup-timeout", type=float, default=300.0)
     _engine_args(up)
+    _disagg_up_args(up)
     up.set_defaults(func=_run_up)
 
     serve = subparsers.add_parser("serve", help="run one service in the foreground")
@@ -38,7 +41,19 @@ def add_subcommands(subparsers) -> None:
     router.add_argument("--grpc-port", type=int, default=50051, help="-1 -> no gRPC API")
     router.add_argument("--health-interval", type=float, default=1.0)
     router.add_argument("--max-n", type=int, default=8)
+    router.add_argument("--prefill-backends", default="",
+                        help="comma-separated host:port of prefill instances: disaggregated "
+                             "mode (--backends are then decode instances; needs --kv-store)")
+    router.add_argument("--kv-store", default="", help="KV store master host:port")
+    router.add_argument("--min-prefill-tokens", type=int, default=0,
+                        help="fewer uncached prompt tokens than this: skip prefill, decode "
+                             "computes them")
+    router.add_argument("--prefill-timeout", type=float, default=60.0,
+                        help="seconds before a Prefill is given up and retried elsewhere")
     router.set_defaults(func=_run_router)
+    from pdserve.services.kvstore.cli import add_kvstore_subcommands
+
+    add_kvstore_subcommands(which)  # kvstore, kvstore-master, kvstore-node
     for name, port, roles in (("decode", 50061, ["unified", "decode"]),
                               ("prefill", 50071, ["prefill"])):
         p = which.add_parser(name, help=f"{name} engine instance (gRPC)")
@@ -47,6 +62,7 @@ def add_subcommands(subparsers) -> None:
         p.add_argument("--port", type=int, default=port)
         p.add_argument("--model", default="smollm2")
         _engine_args(p)
+        _kv_args(p)
         p.set_defaults(func=_run_engine)
 
 
@@ -62,14 +78,44 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=None)
 
 
-def engine_argv(args) -> list[str]:
-    """The engine options of `args` as command-line words (the launcher passes them on)."""
-    argv = ["--tiny-seed", str(args.tiny_seed), "--num-threads", str(args.num_threads),
+def _disagg_up_args(up: argparse.ArgumentParser) -> None:
+    g = up.add_argument_group("disagg mode")
+    g.add_argument("--prefill-cpus", default="", help="pin prefill to these cores, e.g. 0")
+    g.add_argument("--decode-cpus", default="", help="pin decode to these cores, e.g. 1")
+    g.add_argument("--prefill-threads", type=int, default=1, help="torch threads of prefill")
+    g.add_argument("--decode-threads", type=int, default=1, help="torch threads of decode")
+    g.add_argument("--kv-store-port", type=int, default=0, help="store master; 0 -> free")
+    g.add_argument("--redis-port", type=int, default=0, help="0 -> a free port")
+    g.add_argument("--kv-capacity-mib", type=int, default=1024, help="storage node segment")
+    g.add_argument("--kv-transport", choices=["auto", "ucx", "tcp"], default="auto")
+    g.add_argument("--min-prefill-tokens", type=int, default=0,
+                   help="fewer uncached prompt tokens: decode computes them, no prefill")
+
+
+def _kv_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-store", default="",
+                   help="KV store master host:port; prefill saves its blocks there, decode "
+                        "loads them, unified does both (a shared prefix cache). "
+                        "Empty: no store")
+    p.add_argument("--kv-transport", choices=["auto", "ucx", "tcp"], default="auto",
+                   help="how to reach the store's nodes")
+    p.add_argument("--kv-lease", type=float, default=30.0,
+                   help="seconds a saved block is safe from eviction")
+    p.add_argument("--kv-load-timeout", type=float, default=10.0,
+                   help="a KV load slower than this is given up and recomputed")
+
+
+def engine_argv(args, cpus: Optional[str] = None, threads: Optional[int] = None) -> list[str]:
+    """The engine options of `args` as command-line words (the launcher passes them on);
+    `cpus` / `threads` replace args.cpus / args.num_threads (one instance of several)."""
+    cpus = args.cpus if cpus is None else cpus
+    threads = args.num_threads if threads is None else threads
+    argv = ["--tiny-seed", str(args.tiny_seed), "--num-threads", str(threads),
             "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--block-size", str(args.block_size)]
-    if args.cpus:
-        argv += ["--cpus", args.cpus]
+    if cpus:
+        argv += ["--cpus", cpus]
     if args.num_blocks is not None:
         argv += ["--num-blocks", str(args.num_blocks)]
     if args.kv_cache_bytes is not None:
@@ -96,7 +142,9 @@ def _run_engine(args) -> int:
         cpus=tuple(int(c) for c in args.cpus.split(",") if c),
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes)
+        num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
+        kv_store=args.kv_store, kv_transport=args.kv_transport, kv_lease_s=args.kv_lease,
+        kv_load_timeout_s=args.kv_load_timeout)
     asyncio.run(run_engine_server(cfg))
     return 0
 
@@ -111,11 +159,17 @@ def _run_router(args) -> int:
     torch.set_num_threads(1)
     cfg = RouterConfig(
         model=args.model, served_model_name=args.served_model_name,
-        backends=tuple(b.strip() for b in args.backends.split(",") if b.strip()),
+        backends=_addresses(args.backends),
         host=args.host, port=args.port, grpc_port=args.grpc_port,
-        health_interval_s=args.health_interval, max_n=args.max_n)
+        health_interval_s=args.health_interval, max_n=args.max_n,
+        prefill_backends=_addresses(args.prefill_backends), kv_store=args.kv_store,
+        min_prefill_tokens=args.min_prefill_tokens, prefill_timeout_s=args.prefill_timeout)
     asyncio.run(run_router(cfg))
     return 0
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in text.split(",") if a.strip())
 
 
 def _run_up(args) -> int:

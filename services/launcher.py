@@ -1,11 +1,12 @@
 """`pdserve up`: the whole stack on this machine, each service its own child process.
 
-Lifecycle: make the log folder -> start the engine instance, wait until its gRPC Health says
-SERVING -> start the router, wait until its /health answers 200 -> print the endpoints -> wait
-for SIGINT/SIGTERM or any child exiting -> stop in reverse order (router first, so no new work
-reaches the engines): SIGTERM, `stop_timeout_s` to exit, then SIGKILL. Each child also asks the
-kernel for SIGTERM when the launcher dies (see `die_with_parent`), so even a killed launcher
-leaves no orphans.
+Lifecycle: make the log folder -> start the services of the mode's plan in order
+(services/launch_plans.py: colocated = unified engine, router; disagg = redis, KV store, prefill,
+decode, router), each after the previous one is ready -> print the endpoints -> wait for
+SIGINT/SIGTERM or any child exiting -> stop in reverse order (router first, so no new work
+reaches the engines): SIGTERM, `stop_timeout_s` to exit, then SIGKILL. The kernel sends every
+child SIGTERM when the launcher dies (PR_SET_PDEATHSIG, set before exec, and again by our own
+Python services in `die_with_parent`), so even a killed launcher leaves no orphans.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -38,6 +40,15 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+# Resolved once here: the child between fork and exec must not dlopen (locks held by threads).
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def _die_with_launcher() -> None:
+    """preexec_fn: between fork and exec, so it holds for programs that are not ours (redis)."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class Child:
     """One service process; its stdout and stderr go to `<log_dir>/<name>.log`."""
 
@@ -51,7 +62,8 @@ class Child:
         env = dict(os.environ, **{PARENT_ENV: str(os.getpid())})
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env)
+                                         stdin=subprocess.DEVNULL, env=env,
+                                         preexec_fn=_die_with_launcher if _PRCTL else None)
 
     @property
     def alive(self) -> bool:
@@ -80,15 +92,18 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def engine_serving(address: str) -> bool:
+def engine_serving(address: str, service: str = "decode") -> bool:
+    """True when the instance's Health (on DecodeService, or PrefillService for a prefill
+    instance) says SERVING."""
     import grpc
 
     from pdserve.common.rpc import engine_pb2 as pb
     from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
 
+    stub = pb_grpc.PrefillServiceStub if service == "prefill" else pb_grpc.DecodeServiceStub
     with grpc.insecure_channel(address) as channel:
         try:
-            health = pb_grpc.DecodeServiceStub(channel).Health(pb.HealthRequest(), timeout=1.0)
+            health = stub(channel).Health(pb.HealthRequest(), timeout=1.0)
         except grpc.RpcError:
             return False
     return health.status == pb.HealthResponse.SERVING
@@ -117,58 +132,50 @@ def wait_until(check: Callable[[], bool], child: Child, timeout_s: float,
         time.sleep(0.2)
 
 
+@dataclass(frozen=True)
+class Step:
+    """One service of a stack: its process and the check that says it is ready."""
+
+    child: Child
+    ready: Callable[[], bool]
+
+
 def run_up(args, stop_timeout_s: float = 10.0) -> int:
-    from pdserve.services.cli_serve import engine_argv
+    from pdserve.services.launch_plans import plan_stack
 
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    engine_port = args.engine_port or free_port(args.host)
-    engine_addr = f"{args.host}:{engine_port}"
-    serve = [sys.executable, "-m", "pdserve.services.cli_serve", "serve"]
-    engine = Child("engine-unified", serve + [
-        "decode", "--role", "unified", "--host", args.host, "--port", str(engine_port),
-        "--model", args.model] + engine_argv(args), log_dir)
-    router = Child("router", serve + [
-        "router", "--model", args.model, "--backends", engine_addr, "--host", args.host,
-        "--port", str(args.port), "--grpc-port", str(args.grpc_port)], log_dir)
-    children = [engine, router]
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"pdserve up ({args.mode}, model {args.model}); logs in {log_dir}", flush=True)
-    code = 0
+    code, started = 0, []
     try:
-        engine.start()
-        wait_until(lambda: engine_serving(engine_addr), engine, args.startup_timeout, stop)
-        router.start()
-        health = f"http://{args.host}:{args.port}/health"
-        wait_until(lambda: http_ok(health), router, args.startup_timeout, stop)
-        _print_endpoints(args, engine_addr, log_dir)
-        while not stop.wait(0.5):
-            dead = [c for c in children if not c.alive]
-            if dead:
-                print(f"{dead[0].name} exited (code {dead[0].proc.returncode}); stopping. "
-                      f"Its log ends:\n{dead[0].log_tail()}", file=sys.stderr, flush=True)
-                code = 1
-                break
+        steps, endpoints = plan_stack(args, log_dir)
+        for step in steps:
+            step.child.start()
+            started.append(step.child)
+            wait_until(step.ready, step.child, args.startup_timeout, stop)
+        print(endpoints + f"\n  logs          {log_dir}\nready; Ctrl-C to stop", flush=True)
+        code = _watch(started, stop)
     except KeyboardInterrupt:
         pass
     except RuntimeError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
         code = 1
     finally:
-        for child in reversed(children):
+        for child in reversed(started):  # the router first: no new work reaches the rest
             child.stop(stop_timeout_s)
     print("pdserve up: stopped", flush=True)
     return code
 
 
-def _print_endpoints(args, engine_addr: str, log_dir: Path) -> None:
-    base = f"http://{args.host}:{args.port}"
-    print(f"  OpenAI API    {base}/v1  (completions, chat/completions, models)\n"
-          f"  health        {base}/health\n"
-          f"  metrics       {base}/metrics\n"
-          f"  router gRPC   {args.host}:{args.grpc_port}  (pdserve.v1.Router/Generate)\n"
-          f"  engine gRPC   {engine_addr}  (unified)\n"
-          f"  logs          {log_dir}\n"
-          "ready; Ctrl-C to stop", flush=True)
+def _watch(children: list[Child], stop: threading.Event) -> int:
+    """Until told to stop (0) or a child exits (1)."""
+    while not stop.wait(0.5):
+        dead = [c for c in children if not c.alive]
+        if dead:
+            print(f"{dead[0].name} exited (code {dead[0].proc.returncode}); stopping. "
+                  f"Its log ends:\n{dead[0].log_tail()}", file=sys.stderr, flush=True)
+            return 1
+    return 0

@@ -71,14 +71,16 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "ttft_s", "e2e_s")
+    __slots__ = ("queue_s", "ttft_s", "e2e_s", "compute_s")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     ttft_s: float
     e2e_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
+    compute_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt")
@@ -155,7 +157,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "model", "role", "max_model_len", "vocab_size")
+    __slots__ = ("status", "model", "role", "max_model_len", "vocab_size", "model_fingerprint", "block_size", "kv_role")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[HealthResponse.Status]
@@ -169,19 +171,25 @@ class HealthResponse(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_ROLE_FIELD_NUMBER: _ClassVar[int]
     status: HealthResponse.Status
     model: str
     role: str
     max_model_len: int
     vocab_size: int
-    def __init__(self, status: _Optional[_Union[HealthResponse.Status, str]] = ..., model: _Optional[str] = ..., role: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    model_fingerprint: str
+    block_size: int
+    kv_role: str
+    def __init__(self, status: _Optional[_Union[HealthResponse.Status, str]] = ..., model: _Optional[str] = ..., role: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_role: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_usage", "num_waiting_tokens", "num_free_blocks", "num_total_blocks", "num_aborted", "num_finished")
+    __slots__ = ("num_running", "num_waiting", "kv_usage", "num_waiting_tokens", "num_free_blocks", "num_total_blocks", "num_aborted", "num_finished", "num_waiting_for_kv", "num_kv_load_failures", "kv")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +198,9 @@ class LoadResponse(_message.Message):
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
     NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FOR_KV_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_usage: float
@@ -198,4 +209,38 @@ class LoadResponse(_message.Message):
     num_total_blocks: int
     num_aborted: int
     num_finished: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_waiting_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_finished: _Optional[int] = ...) -> None: ...
+    num_waiting_for_kv: int
+    num_kv_load_failures: int
+    kv: KVTransferStats
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_waiting_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_kv_load_failures: _Optional[int] = ..., kv: _Optional[_Union[KVTransferStats, _Mapping]] = ...) -> None: ...
+
+class KVTransferStats(_message.Message):
+    __slots__ = ("blocks_saved", "blocks_loaded", "bytes_saved", "bytes_loaded", "save_failures", "load_failures", "lookup_failures", "save_seconds", "load_seconds", "failure_reasons")
+    class FailureReasonsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    BLOCKS_SAVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SAVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
+    SAVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SAVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_REASONS_FIELD_NUMBER: _ClassVar[int]
+    blocks_saved: int
+    blocks_loaded: int
+    bytes_saved: int
+    bytes_loaded: int
+    save_failures: int
+    load_failures: int
+    lookup_failures: int
+    save_seconds: float
+    load_seconds: float
+    failure_reasons: _containers.ScalarMap[str, int]
+    def __init__(self, blocks_saved: _Optional[int] = ..., blocks_loaded: _Optional[int] = ..., bytes_saved: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., save_failures: _Optional[int] = ..., load_failures: _Optional[int] = ..., lookup_failures: _Optional[int] = ..., save_seconds: _Optional[float] = ..., load_seconds: _Optional[float] = ..., failure_reasons: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -45,5 +45,56 @@ class RouterMetrics:
         self.instance_up = Gauge("pdserve_instance_up", "1 when the instance passes health checks",
                                  ["instance"], registry=r)
 
+        self._disaggregation(r)
+
+    def _disaggregation(self, r: CollectorRegistry) -> None:
+        """Routing decisions and fallbacks of disaggregated mode, and the instances' KV
+        transfer counters (mirrored from their GetLoad, hence gauges)."""
+        self.prefill_skipped = Counter(
+            "pdserve_router_prefill_skipped", "Requests sent straight to decode: every full "
+            "prompt block stored (stored) or too few uncached tokens (short)", ["reason"],
+            registry=r)
+        self.prefill_retries = Counter(
+            "pdserve_router_prefill_retries",
+            "Prefill calls retried on another instance after an error or timeout", registry=r)
+        self.prefill_failures = Counter(
+            "pdserve_router_prefill_failures", "Prefill calls that failed, by gRPC code",
+            ["code"], registry=r)
+        self.prefill_fallbacks = Counter(
+            "pdserve_router_prefill_fallbacks", "Requests sent whole to a decode instance "
+            "because no prefill instance could compute them", registry=r)
+        self.kv_lookups = Counter("pdserve_router_kv_lookups",
+                                  "Prefix lookups at the KV store master", registry=r)
+        self.kv_lookup_failures = Counter(
+            "pdserve_router_kv_lookup_failures",
+            "Prefix lookups that failed (the store was unreachable or too slow)", registry=r)
+        self.kv_lookup_hit_tokens = Counter(
+            "pdserve_router_kv_lookup_hit_tokens",
+            "Prompt tokens the store already held when the router asked", registry=r)
+        self.instance_kv_blocks = Gauge(
+            "pdserve_instance_kv_blocks", "KV blocks an instance saved to / loaded from the "
+            "store since it started", ["instance", "direction"], registry=r)
+        self.instance_kv_bytes = Gauge(
+            "pdserve_instance_kv_bytes", "KV bytes an instance saved to / loaded from the "
+            "store since it started", ["instance", "direction"], registry=r)
+        self.instance_kv_seconds = Gauge(
+            "pdserve_instance_kv_seconds", "Seconds an instance spent saving / loading KV",
+            ["instance", "direction"], registry=r)
+        self.instance_kv_failures = Gauge(
+            "pdserve_instance_kv_failures", "An instance's failed KV saves, loads (each one "
+            "recomputed) and store lookups since it started", ["instance", "kind"], registry=r)
+
+    def observe_instance_kv(self, instance: str, kv) -> None:
+        """kv: an instance's KVTransferStats message."""
+        for direction, blocks, nbytes, secs in (
+                ("save", kv.blocks_saved, kv.bytes_saved, kv.save_seconds),
+                ("load", kv.blocks_loaded, kv.bytes_loaded, kv.load_seconds)):
+            self.instance_kv_blocks.labels(instance, direction).set(blocks)
+            self.instance_kv_bytes.labels(instance, direction).set(nbytes)
+            self.instance_kv_seconds.labels(instance, direction).set(secs)
+        for kind, n in (("save", kv.save_failures), ("load", kv.load_failures),
+                        ("lookup", kv.lookup_failures)):
+            self.instance_kv_failures.labels(instance, kind).set(n)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -33,6 +33,8 @@ class _Add:
     stream: RequestStream
     prompt_token_ids: list[int]
     params: SamplingParams
+    first_token_id: Optional[int] = None  # sampled by a prefill instance, already delivered
+    kv_params: Optional[dict] = None  # hints for the KV connector (e.g. "block_keys")
 
 
 @dataclass(frozen=True)
@@ -76,9 +78,17 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def kv_stats(self):
+        """The KV connector's transfer counters (ConnectorStats), None without a connector.
+        Its counters are plain ints the I/O thread bumps; reading them here is safe."""
+        connector = getattr(self.core, "connector", None)
+        return getattr(connector, "stats", None)
+
     async def submit(self, request_id: str, prompt_token_ids: list[int],
-                     params: SamplingParams) -> RequestStream:
-        """Queue a request; returns its stream once the engine accepted it.
+                     params: SamplingParams, first_token_id: Optional[int] = None,
+                     kv_params: Optional[dict] = None) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it. With
+        `first_token_id` generation continues after that token (see EngineCore.add_request).
 
         Raises ValueError when the engine refuses the request (and nothing is left behind),
         EngineDeadError when the engine is gone. Callers must `close()` the stream.
@@ -86,7 +96,8 @@ class AsyncEngine:
         if not self.healthy:
             raise EngineDeadError("engine is not running")
         stream = RequestStream(request_id, self._max_pending, self._abort)
-        self._commands.put(_Add(stream, list(prompt_token_ids), params))
+        self._commands.put(_Add(stream, list(prompt_token_ids), params, first_token_id,
+                                kv_params))
         try:
             await stream.wait_accepted()
         except BaseException:
@@ -139,7 +150,10 @@ class AsyncEngine:
         try:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already running")
-            self.core.add_request(rid, cmd.prompt_token_ids, cmd.params)
+            hand_off = {}  # only for a continued request: plain engines keep their signature
+            if cmd.first_token_id is not None or cmd.kv_params:
+                hand_off = dict(first_token_id=cmd.first_token_id, kv_params=cmd.kv_params)
+            self.core.add_request(rid, cmd.prompt_token_ids, cmd.params, **hand_off)
         except ValueError as exc:
             self._loop.call_soon_threadsafe(stream.fail, exc)
             return

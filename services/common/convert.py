@@ -79,4 +79,15 @@ def stats_to_proto(s: EngineStats) -> pb.LoadResponse:
     return pb.LoadResponse(
         num_running=s.num_running, num_waiting=s.num_waiting, kv_usage=s.kv_usage,
         num_waiting_tokens=s.num_waiting_tokens, num_free_blocks=s.num_free_blocks,
-        num_total_blocks=s.num_total_blocks)
+        num_total_blocks=s.num_total_blocks, num_waiting_for_kv=s.num_waiting_for_kv,
+        num_kv_load_failures=s.num_kv_load_failures)
+
+
+def kv_stats_to_proto(s) -> pb.KVTransferStats:
+    """A connector's ConnectorStats (connector/store_connector.py) as a message."""
+    return pb.KVTransferStats(
+        blocks_saved=s.blocks_saved, blocks_loaded=s.blocks_loaded, bytes_saved=s.bytes_saved,
+        bytes_loaded=s.bytes_loaded, save_failures=s.save_failures,
+        load_failures=s.load_failures, lookup_failures=s.lookup_failures,
+        save_seconds=s.save_seconds, load_seconds=s.load_seconds,
+        failure_reasons=dict(s.failure_reasons))

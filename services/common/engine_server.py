@@ -20,6 +20,7 @@ from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
 from pdserve.services.common.async_engine import AsyncEngine
 from pdserve.services.common.engine_service_config import EngineServiceConfig
 from pdserve.services.common.health import InstanceInfo
+from pdserve.services.common.kv_connector_factory import connector_factory
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,16 @@ class RunningEngineServer:
 
     async def stop(self, grace_s: float) -> None:
         await self.server.stop(grace_s)
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.engine.stop)
+        close = getattr(self.engine.core, "close", None)  # the KV connector's thread, client
+        if close is not None:
+            await loop.run_in_executor(None, close)
 
 
 def build_core(cfg: EngineServiceConfig):
-    """Pins the process, sets torch threads, loads the model; returns an EngineCore."""
+    """Pins the process, sets torch threads, loads the model, builds the KV connector when a
+    store is configured; returns an EngineCore."""
     if cfg.cpus:
         os.sched_setaffinity(0, set(cfg.cpus))
     import torch
@@ -44,7 +50,9 @@ def build_core(cfg: EngineServiceConfig):
     torch.set_num_threads(cfg.num_threads)
     from pdserve.common.engine.engine_core import EngineCore  # heavy: only engine processes
 
-    return EngineCore(cfg.engine_config())
+    kv = cfg.kv_settings()
+    return EngineCore(cfg.engine_config(),
+                      connector_factory=connector_factory(kv) if kv is not None else None)
 
 
 async def start_engine_server(cfg: EngineServiceConfig, core) -> RunningEngineServer:
@@ -53,8 +61,12 @@ async def start_engine_server(cfg: EngineServiceConfig, core) -> RunningEngineSe
 
     engine = AsyncEngine(core, max_pending_outputs=cfg.max_pending_outputs)
     engine.start(asyncio.get_running_loop())
+    connector = getattr(core, "connector", None)
     info = InstanceInfo(model=cfg.model, role=cfg.role, max_model_len=core.max_model_len,
-                        vocab_size=core.tokenizer.vocab_size)
+                        vocab_size=core.tokenizer.vocab_size,
+                        fingerprint=getattr(core, "fingerprint", ""),
+                        block_size=cfg.block_size,
+                        kv_role=connector.config.role if connector is not None else "")
     server = grpc.aio.server()
     if cfg.role in ("unified", "prefill"):
         pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(engine, info), server)

@@ -7,6 +7,7 @@ from typing import Optional
 
 from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.services.common.health import ROLES
+from pdserve.services.common.kv_connector_factory import ROLE_TO_KV, KVStoreSettings
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class EngineServiceConfig:
     kv_cache_bytes: Optional[int] = None
     max_pending_outputs: int = 8  # per stream, before outputs are merged for a slow reader
     grace_s: float = 2.0  # on shutdown, how long calls in flight may finish
+    kv_store: str = ""  # KV store master host:port; "" -> no KV connector
+    kv_transport: str = "auto"  # how to reach the storage nodes: auto | ucx | tcp
+    kv_lease_s: float = 30.0  # stored blocks are not evicted for this long
+    kv_load_timeout_s: float = 10.0  # a slower load is given up and recomputed
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -41,6 +46,7 @@ class EngineServiceConfig:
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         self.engine_config()  # the engine's own checks, now rather than after startup
+        self.kv_settings()
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -53,3 +59,10 @@ class EngineServiceConfig:
             num_threads=self.num_threads,
             tiny_model_seed=self.tiny_seed,
         )
+
+    def kv_settings(self) -> Optional[KVStoreSettings]:
+        """The connector's settings: prefill produces, decode consumes, unified does both."""
+        if not self.kv_store:
+            return None
+        return KVStoreSettings(self.kv_store, ROLE_TO_KV[self.role], self.kv_transport,
+                               lease_s=self.kv_lease_s, load_timeout_s=self.kv_load_timeout_s)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.services.common.async_engine import AsyncEngine
-from pdserve.services.common.convert import stats_to_proto
+from pdserve.services.common.convert import kv_stats_to_proto, stats_to_proto
 
 ROLES = ("unified", "prefill", "decode")
 
@@ -19,22 +19,32 @@ class InstanceInfo:
     role: str
     max_model_len: int
     vocab_size: int
+    fingerprint: str = ""  # the model fingerprint that seeds block hashes
+    block_size: int = 0
+    kv_role: str = ""  # the KV connector's role; "" -> no store
 
     def __post_init__(self):
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.max_model_len <= 0 or self.vocab_size <= 0:
             raise ValueError("max_model_len and vocab_size must be > 0")
+        if self.block_size < 0:
+            raise ValueError(f"block_size must be >= 0, got {self.block_size}")
 
 
 def health_response(engine: AsyncEngine, info: InstanceInfo) -> pb.HealthResponse:
     status = pb.HealthResponse.SERVING if engine.healthy else pb.HealthResponse.NOT_SERVING
     return pb.HealthResponse(status=status, model=info.model, role=info.role,
-                             max_model_len=info.max_model_len, vocab_size=info.vocab_size)
+                             max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                             model_fingerprint=info.fingerprint, block_size=info.block_size,
+                             kv_role=info.kv_role)
 
 
 def load_response(engine: AsyncEngine) -> pb.LoadResponse:
     load = stats_to_proto(engine.stats())
     load.num_aborted = engine.num_aborted
     load.num_finished = engine.num_finished
+    kv = engine.kv_stats()
+    if kv is not None:
+        load.kv.CopyFrom(kv_stats_to_proto(kv))
     return load

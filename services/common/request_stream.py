@@ -32,6 +32,7 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         num_prompt_tokens=b.num_prompt_tokens or a.num_prompt_tokens,
         num_cached_tokens=b.num_cached_tokens or a.num_cached_tokens,
         num_output_tokens=b.num_output_tokens,
+        block_hashes=b.block_hashes if b.block_hashes is not None else a.block_hashes,
     )
 
 

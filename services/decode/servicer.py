@@ -1,4 +1,11 @@
-"""DecodeService: streams a request's tokens from the engine; a cancelled call aborts it."""
+"""DecodeService: streams a request's tokens from the engine; a cancelled call aborts it.
+
+A request may continue a prefill done elsewhere: with `first_token_id` the engine appends that
+token (already delivered to the client) and streams only what follows; `block_keys` name the
+prompt blocks stored in the KV store, which the engine's consumer connector loads instead of
+computing them. Whatever cannot be loaded (missing, corrupt, store down, no store at all) is
+recomputed here, so the tokens are the same either way.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +20,6 @@ from pdserve.services.common.async_engine import AsyncEngine, EngineDeadError
 from pdserve.services.common.convert import output_to_proto, params_from_proto
 from pdserve.services.common.health import InstanceInfo, health_response, load_response
 
-KV_HANDOFF_MISSING = (
-    "Decode with first_token_id or block_keys needs the KV hand-off from a prefill instance, "
-    "which is not implemented yet; send the prompt alone to have this instance compute it")
-
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def __init__(self, engine: AsyncEngine, info: InstanceInfo):
@@ -24,15 +27,16 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self._info = info
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
-        if request.block_keys or request.HasField("first_token_id"):
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, KV_HANDOFF_MISSING)
         salt = request.cache_salt if request.HasField("cache_salt") else None
+        first = request.first_token_id if request.HasField("first_token_id") else None
+        kv_params = {"block_keys": list(request.block_keys)} if request.block_keys else None
         loop = asyncio.get_running_loop()
         arrival = loop.time()
         try:
             params = params_from_proto(request.params, salt)
             stream = await self._engine.submit(request.request_id or uuid.uuid4().hex,
-                                               list(request.prompt_token_ids), params)
+                                               list(request.prompt_token_ids), params,
+                                               first_token_id=first, kv_params=kv_params)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:
@@ -44,6 +48,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 msg = output_to_proto(out)
                 if out.new_token_ids and not timings.ttft_s:
                     timings.ttft_s = loop.time() - arrival
+                    timings.compute_s = loop.time() - stream.accepted_at
                 if out.finished:
                     timings.e2e_s = loop.time() - arrival
                     msg.timings.CopyFrom(timings)

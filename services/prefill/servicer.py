@@ -1,7 +1,9 @@
 """PrefillService: computes a prompt and its first token on this instance's engine.
 
-Until the KV store lands (next issue) the prompt's KV stays in this engine's prefix cache and
-`block_keys` comes back empty; a decode instance then has nothing to load and says so.
+With a KV store (role "prefill" -> a producer connector) the engine saves every full prompt
+block to the store while it computes, and the request's last output is held back until those
+saves are done, so when Prefill answers, a decode instance can load the `block_keys` it
+returns. Without a store `block_keys` is empty and a decode instance recomputes the prompt.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import uuid
 
 import grpc
 
+from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.engine.outputs import FinishReason
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
@@ -26,6 +29,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     def __init__(self, engine: AsyncEngine, info: InstanceInfo):
         self._engine = engine
         self._info = info
+        self._tokenizer = engine.core.tokenizer  # read-only: safe off the engine thread
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         salt = request.cache_salt if request.HasField("cache_salt") else None
@@ -47,20 +51,28 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine failed: {exc}")
         finally:
-            stream.close()
+            stream.close()  # a cancelled call lands here: abort in the engine
         if out is None or not out.new_token_ids:
             await context.abort(grpc.StatusCode.ABORTED, "request ended before its first token")
         reason = out.finish_reason
         if reason == FinishReason.LENGTH and params.max_tokens > 1:
             reason = None  # only our max_tokens=1 ended it: decode goes on
-        elapsed = loop.time() - arrival
+        now = loop.time()
+        text = out.new_text if reason is not None else self._continued_text(out.new_token_ids)
         return pb.PrefillResponse(
-            first_token_id=out.new_token_ids[0], text=out.new_text,
+            first_token_id=out.new_token_ids[0], text=text,
             logprob=logprob_to_proto(out.logprobs[0]) if out.logprobs else None,
+            block_keys=out.block_hashes or [],
             finish_reason=FINISH_TO_PROTO[reason], num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
-            timings=pb.Timings(queue_s=stream.accepted_at - arrival, ttft_s=elapsed,
-                               e2e_s=elapsed))
+            timings=pb.Timings(queue_s=stream.accepted_at - arrival, ttft_s=now - arrival,
+                               e2e_s=now - arrival, compute_s=now - stream.accepted_at))
+
+    def _continued_text(self, token_ids: list[int]) -> str:
+        """The first token's text as an unfinished stream shows it: the engine flushed a
+        half UTF-8 character at its artificial end, but the decode instance that goes on
+        counts only complete characters as sent, and completes this one with the next."""
+        return IncrementalDetokenizer(self._tokenizer).push(token_ids[:1])
 
     async def Health(self, request, context):
         return health_response(self._engine, self._info)

@@ -20,16 +20,29 @@ class RouterConfig:
     max_stop: int = 8  # stop strings per request
     default_chat_max_tokens: int = 1024  # chat without max_tokens: capped by the model length
     grace_s: float = 2.0  # on shutdown, how long requests in flight may finish
+    # Disaggregated mode (on when prefill_backends is set): `backends` are decode instances.
+    prefill_backends: tuple[str, ...] = ()  # prefill instances, host:port
+    kv_store: str = ""  # the KV store master, host:port (asked which prompt blocks it holds)
+    min_prefill_tokens: int = 0  # fewer uncached prompt tokens -> decode computes them itself
+    prefill_timeout_s: float = 60.0  # a slower Prefill is given up (and retried elsewhere)
+    kv_lookup_timeout_s: float = 1.0
 
     def __post_init__(self):
         if not self.model:
             raise ValueError("model must be a non-empty name or path")
         if not self.backends:
             raise ValueError("backends must list at least one host:port")
-        for b in self.backends:
-            host, sep, port = b.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ValueError(f"backends must be host:port, got {b!r}")
+        for name in ("backends", "prefill_backends"):
+            for b in getattr(self, name):
+                _check_address(name, b)
+        if self.prefill_backends and not self.kv_store:
+            raise ValueError("prefill_backends need kv_store (the KV store master host:port)")
+        if self.kv_store:
+            _check_address("kv_store", self.kv_store)
+        if self.min_prefill_tokens < 0:
+            raise ValueError(f"min_prefill_tokens must be >= 0, got {self.min_prefill_tokens}")
+        if self.prefill_timeout_s <= 0 or self.kv_lookup_timeout_s <= 0:
+            raise ValueError("prefill_timeout_s and kv_lookup_timeout_s must be > 0")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not -1 <= self.grpc_port < 65536:
@@ -44,3 +57,13 @@ class RouterConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill_backends)
+
+
+def _check_address(name: str, address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"{name} must be host:port, got {address!r}")

@@ -9,6 +9,7 @@ request in the engine and frees its blocks.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,6 +33,7 @@ class Delta:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    breakdown: Optional[dict] = None  # last delta: where the time went (bench/breakdown.py)
 
 
 def delta_from_proto(msg: pb.DecodeResponse) -> Delta:
@@ -45,17 +47,23 @@ def delta_from_proto(msg: pb.DecodeResponse) -> Delta:
 
 
 class EngineStream:
-    def __init__(self, call, backend: Backend, pool: BackendPool):
+    def __init__(self, call, backend: Backend, pool: BackendPool, queue_s: float = 0.0):
         self._call = call
         self.backend = backend
         self._pool = pool
         self.finished = False
+        self._queue_s = queue_s  # the instance's arrival -> accepted by its engine
 
     @classmethod
     async def open(cls, pool: BackendPool, request_id: str, prompt_token_ids: list[int],
-                   params: SamplingParams, cache_salt: Optional[str] = None) -> "EngineStream":
+                   params: SamplingParams, cache_salt: Optional[str] = None,
+                   first_token_id: Optional[int] = None,
+                   block_keys: tuple[bytes, ...] = ()) -> "EngineStream":
+        """`first_token_id`: continue after a token a prefill instance sampled; `block_keys`:
+        the prompt blocks the KV store holds, for the instance to load."""
         req = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                               params=params_to_proto(params), cache_salt=cache_salt)
+                               params=params_to_proto(params), cache_salt=cache_salt,
+                               first_token_id=first_token_id, block_keys=block_keys)
         tried: tuple[Backend, ...] = ()
         while True:
             backend = pool.pick(exclude=tried)  # raises 503 when none is left
@@ -73,7 +81,7 @@ class EngineStream:
                 raise
             if first is grpc.aio.EOF:
                 raise unavailable(f"instance {backend.address} closed the stream")
-            return cls(call, backend, pool)
+            return cls(call, backend, pool, first.timings.queue_s)
 
     def __aiter__(self):
         return self
@@ -98,6 +106,9 @@ class EngineStream:
         delta = delta_from_proto(msg)
         if delta.finish_reason is not None:
             self.finished = True
+            delta = dataclasses.replace(delta, breakdown={
+                "decode_queue_s": self._queue_s,
+                "decode_compute_s": max(0.0, msg.timings.e2e_s - self._queue_s)})
         return delta
 
     def cancel(self) -> None:

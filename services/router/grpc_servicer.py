@@ -28,8 +28,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         arrival = time.monotonic()
         status = "OK"
         try:
-            run = await JobRun.open(self._state.pool, self._job(request), self._state.metrics,
-                                    arrival)
+            run = await JobRun.open(self._state.open_stream, self._job(request),
+                                    self._state.metrics, arrival)
         except APIError as err:
             status = err.grpc_code.name
             self._count(status)
@@ -47,6 +47,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                     msg.usage.CopyFrom(pb.Usage(prompt_tokens=delta.num_prompt_tokens,
                                                 completion_tokens=completion,
                                                 cached_tokens=delta.num_cached_tokens))
+                    msg.breakdown.update(delta.breakdown or {})
                 yield msg
         except APIError as err:
             status = err.grpc_code.name

@@ -82,7 +82,7 @@ async def _generate(request: Request, state: RouterState, endpoint: str, body_ty
     try:
         body = await _parse(request, body_type)
         job = job_fn(body, state, uuid.uuid4().hex)
-        run = await _until_disconnect(request, JobRun.open(state.pool, job, state.metrics,
+        run = await _until_disconnect(request, JobRun.open(state.open_stream, job, state.metrics,
                                                            arrival))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         meta = new_meta(prefix, body.model or state.config.model_name,

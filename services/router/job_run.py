@@ -1,6 +1,7 @@
 """Runs a Job: one EngineStream per choice, their deltas merged in arrival order.
 
-Lifecycle: `JobRun.open()` opens every choice's stream (all accepted, or none left open: on
+Lifecycle: `JobRun.open(open_stream, ...)` opens every choice's stream through `open_stream`
+(RouterState.open_stream: colocated or disaggregated) (all accepted, or none left open: on
 any failure or cancellation the opened ones are cancelled); iterate it for (index, Delta);
 `close()` (idempotent; `async with` calls it) cancels whatever is still running, which aborts
 those requests in their engines. The merge queue is bounded, so a slow client slows only its
@@ -14,15 +15,14 @@ import time
 from typing import Optional
 
 from pdserve.common.telemetry.metrics import RouterMetrics
-from pdserve.services.router.backends import BackendPool
-from pdserve.services.router.engine_stream import Delta, EngineStream
+from pdserve.services.router.engine_stream import Delta
 from pdserve.services.router.job import Job
 
 _DONE = object()
 
 
 class JobRun:
-    def __init__(self, job: Job, streams: list[EngineStream], metrics: RouterMetrics,
+    def __init__(self, job: Job, streams: list, metrics: RouterMetrics,
                  arrival: float):
         self.job = job
         self._streams = streams
@@ -31,11 +31,13 @@ class JobRun:
         self._pumps: list[asyncio.Task] = []
 
     @classmethod
-    async def open(cls, pool: BackendPool, job: Job, metrics: RouterMetrics,
+    async def open(cls, open_stream, job: Job, metrics: RouterMetrics,
                    arrival: Optional[float] = None) -> "JobRun":
+        """open_stream(request_id, prompt, params, cache_salt) -> a stream of Deltas with
+        cancel()."""
         arrival = time.monotonic() if arrival is None else arrival
-        tasks = [asyncio.ensure_future(EngineStream.open(
-            pool, f"{job.request_id}-{c.index}", list(c.prompt_token_ids), c.params,
+        tasks = [asyncio.ensure_future(open_stream(
+            f"{job.request_id}-{c.index}", list(c.prompt_token_ids), c.params,
             job.cache_salt)) for c in job.choices]
         try:
             streams = list(await asyncio.gather(*tasks))
@@ -43,7 +45,7 @@ class JobRun:
             for t in tasks:
                 t.cancel()
             for r in await asyncio.gather(*tasks, return_exceptions=True):
-                if isinstance(r, EngineStream):
+                if not isinstance(r, BaseException):
                     r.cancel()
             raise
         return cls(job, streams, metrics, arrival)
@@ -79,7 +81,7 @@ class JobRun:
                 self._latency.observe(*item)
                 yield item
 
-    async def _pump(self, index: int, stream: EngineStream) -> None:
+    async def _pump(self, index: int, stream) -> None:
         try:
             async for delta in stream:
                 await self._queue.put((index, delta))

@@ -27,6 +27,9 @@ class ResponseMeta:
     include_usage: bool
 
 
+BREAKDOWN_KEY = "pdserve_breakdown"  # bench/breakdown.py reads this key
+
+
 class CompletionFormat:
     object = "text_completion"
     chunk_object = "text_completion"
@@ -94,6 +97,7 @@ class _Usage:
 async def stream_events(run: JobRun, form: CompletionFormat):
     """SSE text; the run is closed on any exit, which aborts what is unfinished."""
     usage, offsets = _Usage(run), [0] * len(run.job.choices)
+    breakdown = None
     try:
         for c in run.job.choices:
             for chunk in form.opening(c.index):
@@ -104,11 +108,16 @@ async def stream_events(run: JobRun, form: CompletionFormat):
                 continue
             lps = form.logprobs(delta, offsets[index])
             offsets[index] += len(delta.text)
-            yield fmt.sse(form.chunk(index, delta.text, lps, delta.finish_reason))
+            chunk = form.chunk(index, delta.text, lps, delta.finish_reason)
+            if delta.breakdown:  # the bench reads it from the last chunk
+                chunk[BREAKDOWN_KEY] = breakdown = delta.breakdown
+            yield fmt.sse(chunk)
         if form.meta.include_usage:
             m = form.meta
-            yield fmt.sse(fmt.usage_chunk(m.id, m.created, m.model, form.chunk_object,
-                                          usage.body()))
+            chunk = fmt.usage_chunk(m.id, m.created, m.model, form.chunk_object, usage.body())
+            if breakdown:
+                chunk[BREAKDOWN_KEY] = breakdown
+            yield fmt.sse(chunk)
     except APIError as err:  # headers are sent: the error travels in the stream
         yield fmt.sse(err.to_json())
     finally:

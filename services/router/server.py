@@ -1,9 +1,11 @@
 """The router process: HTTP (uvicorn + FastAPI) and gRPC (grpc.aio) on one event loop.
 
-Lifecycle: `start_router` loads the tokenizer, runs a first round of instance health checks,
-starts the gRPC server and uvicorn, and returns once both listen. `RunningRouter.stop()`
-stops taking requests, lets those in flight finish for `grace_s` (then cancels them, which
-aborts them in their engines), stops the health checks and closes the channels.
+Lifecycle: `start_router` loads the tokenizer, runs a first round of instance health checks
+(decode instances, and in disaggregated mode prefill instances too, plus a channel to the KV
+store master), starts the gRPC server and uvicorn, and returns once both listen.
+`RunningRouter.stop()` stops taking requests, lets those in flight finish for `grace_s` (then
+cancels them, which aborts them in their engines), stops the health checks and closes the
+channels.
 `run_router` wraps the two around waiting for SIGTERM/SIGINT.
 """
 
@@ -55,14 +57,19 @@ class RunningRouter:
             stops.append(self.grpc_server.stop(self.state.config.grace_s))
         await asyncio.gather(*stops, return_exceptions=True)
         await self.state.pool.close()
+        if self.state.disagg is not None:
+            await self.state.disagg.close()
 
 
 async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
     metrics = RouterMetrics()
     pool = BackendPool(cfg.backends, metrics, cfg.health_interval_s, cfg.health_timeout_s,
                        cfg.unhealthy_after)
-    state = RouterState(cfg, tokenizer or load_tokenizer(cfg.model), pool, metrics)
+    disagg = _disagg_router(cfg, pool, metrics) if cfg.disaggregated else None
+    state = RouterState(cfg, tokenizer or load_tokenizer(cfg.model), pool, metrics, disagg)
     await pool.start()
+    if disagg is not None:
+        await disagg.prefill.start()
     grpc_server, grpc_port = None, None
     if cfg.grpc_port >= 0:
         grpc_server = grpc.aio.server()
@@ -84,10 +91,22 @@ async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
     return RunningRouter(state, http, task, grpc_server, http_port, grpc_port)
 
 
+def _disagg_router(cfg: RouterConfig, decode: BackendPool, metrics: RouterMetrics):
+    from pdserve.services.router.disagg import DisaggRouter
+    from pdserve.services.router.kv_lookup import StoreIndex
+
+    prefill = BackendPool(cfg.prefill_backends, metrics, cfg.health_interval_s,
+                          cfg.health_timeout_s, cfg.unhealthy_after, kind="prefill")
+    index = StoreIndex(cfg.kv_store, metrics, cfg.kv_lookup_timeout_s)
+    return DisaggRouter(cfg, prefill, decode, index, metrics)
+
+
 async def run_router(cfg: RouterConfig) -> None:
     running = await start_router(cfg)
-    log.info("router for %s: http %s:%d, grpc %s, instances %s", cfg.model_name, cfg.host,
-             running.http_port, running.grpc_port, ",".join(cfg.backends))
+    log.info("router for %s: http %s:%d, grpc %s, instances %s%s", cfg.model_name, cfg.host,
+             running.http_port, running.grpc_port, ",".join(cfg.backends),
+             f"; prefill {','.join(cfg.prefill_backends)}, kv store {cfg.kv_store}"
+             if cfg.disaggregated else "")
     await wait_for_signal()
     log.info("shutting down")
     await running.stop()

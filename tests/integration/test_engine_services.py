@@ -58,7 +58,6 @@ def test_unified_decode_and_prefill_match_offline():
 
 
 @pytest.mark.parametrize("role, service, code", [
-    ("unified", "kv", grpc.StatusCode.UNIMPLEMENTED),  # needs the KV hand-off
     ("prefill", "decode", grpc.StatusCode.UNIMPLEMENTED),  # a prefill instance has no Decode
     ("decode", "prefill", grpc.StatusCode.UNIMPLEMENTED),
     ("unified", "bad", grpc.StatusCode.INVALID_ARGUMENT),
@@ -72,8 +71,6 @@ def test_refusals(role, service, code):
                     pb.PrefillRequest(prompt_token_ids=PROMPT, params=params))
             else:
                 req = pb.DecodeRequest(prompt_token_ids=PROMPT, params=params)
-                if service == "kv":
-                    req.block_keys.append(b"k" * 32)
                 if service == "bad":
                     req.prompt_token_ids.append(10 ** 6)
                 [m async for m in pb_grpc.DecodeServiceStub(ch).Decode(req)]
@@ -82,5 +79,3 @@ def test_refusals(role, service, code):
         raise AssertionError("the call should have failed")
     err = serve(role, body)
     assert err.code() == code and err.details()
-    if service == "kv":
-        assert "KV hand-off" in err.details()

@@ -41,13 +41,13 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-def start_up(tmp_path: Path):
+def start_up(tmp_path: Path, *extra: str):
     port, gport = free_port("127.0.0.1"), free_port("127.0.0.1")
     log_dir = tmp_path / "logs"
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--model", "tiny", "--port", str(port),
          "--grpc-port", str(gport), "--log-dir", str(log_dir), "--num-blocks", "64",
-         "--max-model-len", "256"],
+         "--max-model-len", "256", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     deadline = time.monotonic() + 90
@@ -90,6 +90,61 @@ def test_killed_launcher_leaves_no_orphans(tmp_path):
     kids = children_of(proc.pid)
     assert len(kids) == 2
     proc.kill()  # no chance to clean up: the children must notice on their own
+    proc.wait()
+    left = wait_gone(kids, 15)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
+
+
+DISAGG = ("--mode", "disagg", "--prefill-cpus", "0", "--prefill-threads", "1",
+          "--decode-cpus", "1", "--decode-threads", "1", "--kv-transport", "tcp",
+          "--kv-capacity-mib", "32")
+
+
+def cpus_of(pid: int) -> str:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(ln.split()[1] for ln in status.splitlines()
+                if ln.startswith("Cpus_allowed_list"))
+
+
+def test_up_disagg_serves_then_stops_cleanly(tmp_path):
+    if len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0):
+        pytest.skip("needs cores 0 and 1")
+    proc, port, log_dir, banner = start_up(tmp_path, *DISAGG)
+    try:
+        kids = children_of(proc.pid)
+        assert len(kids) == 5  # redis, kv store, prefill, decode, router
+        assert "(prefill)" in banner and "KV store" in banner
+        prompt = list(range(40, 100))  # 3 full blocks: the prefill path, then a store hit
+        outs = [httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                           json={"model": "tiny", "prompt": prompt, "max_tokens": 5,
+                                 "temperature": 0}, timeout=60) for _ in range(2)]
+        assert [r.status_code for r in outs] == [200, 200]
+        assert outs[0].json()["choices"][0]["text"] == outs[1].json()["choices"][0]["text"]
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        assert 'pdserve_router_prefill_skipped_total{reason="stored"} 1.0' in metrics
+        by_log = {p.name: p for p in log_dir.glob("*.log")}
+        assert set(by_log) == {"redis.log", "kvstore.log", "prefill.log", "decode.log",
+                               "router.log"}
+        pins = {cpus_of(k) for k in kids}
+        assert {"0", "1"} <= pins  # prefill on core 0, decode on core 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert wait_gone(kids, 5) == []
+        for name in ("prefill.log", "decode.log", "router.log"):
+            assert "shutting down" in by_log[name].read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_killed_disagg_launcher_leaves_no_orphans(tmp_path):
+    proc, _, _, _ = start_up(tmp_path, "--mode", "disagg", "--kv-transport", "tcp",
+                             "--kv-capacity-mib", "32")
+    kids = children_of(proc.pid)
+    assert len(kids) == 5
+    proc.kill()  # redis is not ours: only the kernel's parent-death signal stops it
     proc.wait()
     left = wait_gone(kids, 15)
     for pid in left:

@@ -1,0 +1,78 @@
+"""Builds an engine's KV connector over the KV store (services/kvstore) from service settings.
+
+Lifecycle: `connector_factory(settings)` returns the callable EngineCore calls once it knows
+its KV geometry. That call starts the connector's I/O thread and creates the store client ON
+that thread's loop (grpc.aio channels bind to the loop they were made on); nothing connects
+yet, so a store that is down only costs recomputation later. `engine.close()` ->
+`connector.close()` closes the client on its loop, then stops the thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from pdserve.connector.codec import BlockCodec
+from pdserve.connector.io_thread import IOThread
+from pdserve.connector.store_connector import ConnectorConfig, StoreKVConnector
+
+# The engine service's role -> what its connector does with the store.
+ROLE_TO_KV = {"prefill": "producer", "decode": "consumer", "unified": "both"}
+
+
+@dataclass(frozen=True)
+class KVStoreSettings:
+    master_addr: str  # the KV store master, host:port
+    role: str  # producer | consumer | both
+    transport: str = "auto"  # auto | ucx | tcp, to reach the storage nodes
+    lease_s: float = 30.0
+    load_timeout_s: float = 10.0
+    lookup_timeout_s: float = 2.0
+    max_inflight: int = 8
+
+    def __post_init__(self):
+        host, sep, port = self.master_addr.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"kv_store must be host:port, got {self.master_addr!r}")
+        if self.transport not in ("auto", "ucx", "tcp"):
+            raise ValueError(f"kv_transport must be auto, ucx or tcp, got {self.transport!r}")
+        self.connector_config()  # its own range checks, now
+
+    def connector_config(self) -> ConnectorConfig:
+        return ConnectorConfig(role=self.role, lease_s=self.lease_s,
+                               load_timeout_s=self.load_timeout_s,
+                               lookup_timeout_s=self.lookup_timeout_s,
+                               max_inflight=self.max_inflight)
+
+
+class ServiceKVConnector(StoreKVConnector):
+    """StoreKVConnector that also owns its store client, so closing it closes the client."""
+
+    def close(self) -> None:
+        try:
+            self.io.run(self.store.close(), 5.0)
+        except Exception:  # already broken or timed out: the thread stops anyway
+            pass
+        super().close()
+
+
+def connector_factory(settings: KVStoreSettings) -> Callable:
+    def build(engine) -> StoreKVConnector:
+        from pdserve.services.kvstore.client import KVStoreClient
+
+        cfg = engine.model_config
+        codec = BlockCodec(engine.fingerprint, cfg.num_layers, engine.kv.block_size,
+                           cfg.num_kv_heads, cfg.head_dim)
+        io = IOThread()
+
+        async def make_client():
+            return KVStoreClient(settings.master_addr, settings.transport)
+
+        try:
+            client = io.run(make_client(), 30.0)
+        except BaseException:
+            io.close()
+            raise
+        return ServiceKVConnector(client, codec, settings.connector_config(), io)
+
+    return build
