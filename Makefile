@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 .PHONY: run test setup proto bench gpu-check clean
 
 run: setup
-	.venv/bin/pdserve up --model smollm2
+	.venv/bin/pdserve up --mode disagg --model smollm2
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

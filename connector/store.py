@@ -11,8 +11,18 @@ import asyncio
 from typing import Optional, Protocol
 
 
+STORED = ("ok", "exists")  # put statuses that leave the object readable
+
+
+def put_stored(status) -> bool:
+    """True when a put's status (an enum with string values, or a string) means the object
+    is in the store, whoever wrote it; NO_SPACE, NOT_ENOUGH_NODES, REVOKED... mean it is not."""
+    return getattr(status, "value", status) in STORED
+
+
 class BlockStore(Protocol):
-    async def put(self, key: bytes, data: memoryview, lease_s: float = 0.0): ...
+    async def put(self, key: bytes, data: memoryview, lease_s: float = 0.0):
+        """Store data under key; returns a status (see put_stored)."""
 
     async def get_into(self, key: bytes, out: memoryview) -> Optional[int]: ...
 

@@ -37,7 +37,7 @@ import torch
 from pdserve.common.engine.kv_connector import KVConnector
 from pdserve.connector.codec import HEADER_SIZE, BlockCodec, BlockCodecError
 from pdserve.connector.io_thread import IOThread
-from pdserve.connector.store import BlockStore
+from pdserve.connector.store import BlockStore, put_stored
 
 log = logging.getLogger(__name__)
 Role = Literal["producer", "consumer", "both"]
@@ -86,7 +86,8 @@ class StoreKVConnector(KVConnector):
         self._saved: set[str] = set()
         self._loaded: set[str] = set()
         self._failed: dict[str, int] = {}
-        self._saving: dict[str, int] = {}  # request id -> puts in flight
+        self._saving: dict[str, int] = {}  # request id -> save batches in flight
+        self._started: set[str] = set()  # producer: requests whose first chunk ran
         self._step: Optional[tuple[list, torch.Tensor, torch.Tensor, bytearray]] = None
         self._sem: Optional[asyncio.Semaphore] = None
 
@@ -129,6 +130,7 @@ class StoreKVConnector(KVConnector):
         self.io.submit(self._load(request.request_id, keys, list(block_ids[first:last])))
 
     def request_finished(self, request, block_ids) -> bool:
+        self._started.discard(request.request_id)
         with self._lock:
             return self._saving.get(request.request_id, 0) > 0
 
@@ -143,6 +145,10 @@ class StoreKVConnector(KVConnector):
         staged = []  # (request id, key, block id)
         for req, n, block_ids in batch:
             c = req.num_computed_tokens
+            if c and req.request_id not in self._started:  # first chunk after a local hit
+                self._start_backfill(req.request_id, req.block_hashes[:c // bs],
+                                     block_ids[:c // bs])
+            self._started.add(req.request_id)
             for i in range(c // bs, (c + n) // bs):
                 staged.append((req.request_id, req.block_hashes[i], block_ids[i]))
         if not staged:
@@ -151,6 +157,11 @@ class StoreKVConnector(KVConnector):
         buf = bytearray(len(staged) * self.codec.nbytes)
         ids = torch.tensor([b for _, _, b in staged], dtype=torch.long)
         self._step = (staged, ids, self._staging_view(buf, len(staged)), buf)
+
+    def _start_backfill(self, rid: str, keys: list[bytes], block_ids: list[int]) -> None:
+        with self._lock:
+            self._saving[rid] = self._saving.get(rid, 0) + 1
+        self.io.submit(self._backfill(rid, list(keys), list(block_ids)))
 
     def _staging_view(self, buf: bytearray, n: int) -> torch.Tensor:
         """[n, layers, 2, bs, kvh, d] over the payload regions of n encoded blocks in buf."""
@@ -200,28 +211,54 @@ class StoreKVConnector(KVConnector):
         return self._sem
 
     async def _save(self, staged, buf: bytearray) -> None:
-        t0 = time.perf_counter()
         size = self.codec.nbytes
         whole = memoryview(buf)
-
-        async def put(j: int, key: bytes) -> bool:
+        items = []
+        for j, (rid, key, _) in enumerate(staged):
             view = whole[j * size:(j + 1) * size]
             view[:HEADER_SIZE] = self.codec.header(key, view[HEADER_SIZE:])
+            items.append((rid, key, view))
+        await self._put_many(items, [rid for rid, _, _ in items])  # one count per block
+
+    async def _backfill(self, rid: str, keys: list[bytes], block_ids: list[int]) -> None:
+        """Store the blocks a producer found in its local prefix cache but the store lacks
+        (evicted there, or never saved): read them straight from the cache, which holds them
+        until this is done."""
+        try:
+            have = await self.store.prefix_lookup(keys)
+        except Exception as exc:
+            self._note_failure("backfill:" + type(exc).__name__)
+            have = len(keys)
+        items = []
+        for key, block_id in zip(keys[have:], block_ids[have:]):
+            block = torch.stack([cache[:, block_id] for cache in self.kv_caches])
+            items.append((rid, key, self.codec.encode_into(key, block,
+                                                           bytearray(self.codec.nbytes))))
+        await self._put_many(items, [rid])  # one count for the whole backfill
+
+    async def _put_many(self, items, done: list[str]) -> None:
+        """Put (request id, key, encoded view) items, then mark `done` (one entry per count
+        taken in _saving) finished."""
+        t0 = time.perf_counter()
+
+        async def put(key: bytes, view: memoryview) -> bool:
             async with self._semaphore():
                 try:
-                    await self.store.put(key, view, self.config.lease_s)
-                    return True
+                    status = await self.store.put(key, view, self.config.lease_s)
                 except Exception as exc:
                     self._note_failure("save:" + type(exc).__name__)
                     return False
+            if not put_stored(status):
+                self._note_failure("save:" + str(getattr(status, "value", status)))
+            return put_stored(status)
 
-        ok = await asyncio.gather(*(put(j, key) for j, (_, key, _) in enumerate(staged)))
+        ok = await asyncio.gather(*(put(key, view) for _, key, view in items))
         self.stats.blocks_saved += sum(ok)
         self.stats.save_failures += len(ok) - sum(ok)
-        self.stats.bytes_saved += sum(ok) * size
+        self.stats.bytes_saved += sum(ok) * self.codec.nbytes
         self.stats.save_seconds += time.perf_counter() - t0
         with self._lock:
-            for rid, _, _ in staged:
+            for rid in done:
                 self._saving[rid] -= 1
                 if self._saving[rid] == 0:
                     del self._saving[rid]

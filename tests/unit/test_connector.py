@@ -161,3 +161,31 @@ def test_cancel_while_waiting_for_kv(tiny):
     assert req.history[-2:] == [RequestStatus.CANCELLED, RequestStatus.RECLAIMED]
     assert decode.num_free_blocks == decode.num_total_blocks
     decode.close()
+
+
+def test_producer_backfills_local_hits_missing_from_the_store(tiny, reference):
+    store = InMemoryBlockStore()
+    prefill = engine(tiny, store, "producer")
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    run(prefill, [("a", PROMPTS[0], first, None)])
+    saved = set(store.objects)
+    store.objects.clear()  # the store evicted everything; the prefill still caches it locally
+    run(prefill, [("b", PROMPTS[0], first, None)])
+    assert prefill.stats().prefix_cache_hits > 0
+    assert set(store.objects) == saved  # the local hits were written back
+    assert prefill.num_free_blocks == prefill.num_total_blocks
+    prefill.close()
+
+
+def test_put_refused_by_the_store_is_a_failure(tiny):
+    store = InMemoryBlockStore()
+
+    async def full(key, data, lease_s=0.0):
+        return "no_space"
+    store.put = full
+    prefill = engine(tiny, store, "producer")
+    run(prefill, [("a", PROMPTS[0], SamplingParams(max_tokens=1), None)])
+    s = prefill.connector.stats
+    assert s.blocks_saved == 0 and s.save_failures == len(PROMPTS[0]) // BS
+    assert s.failure_reasons["save:no_space"] == len(PROMPTS[0]) // BS
+    prefill.close()
