@@ -52,19 +52,21 @@ def _decode(query, kv_cache, meta: AttentionMetadata, scale):
 def _prefill_one(q, k_new, v_new, kv_cache, block_table, seq_len, scale):
     """q [Q, heads, d] of a chunk whose last token sits at position seq_len - 1."""
     q_len = q.shape[0]
-    qh = q.transpose(0, 1)  # [heads, Q, d]
+    # 4-D [1, heads, Q, d]: the CPU flash-attention kernel only takes 4-D inputs; 3-D ones
+    # fall back to the math path, which materializes the scores
+    qh = q.transpose(0, 1).unsqueeze(0)
     if q_len == seq_len:  # no cached prefix: attend to the chunk itself
-        k, v = k_new.transpose(0, 1), v_new.transpose(0, 1)
+        k, v = k_new.transpose(0, 1).unsqueeze(0), v_new.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,
                                              enable_gqa=True)
     else:
-        k, v = gather_kv(kv_cache, block_table, seq_len)
+        k, v = (t.unsqueeze(0) for t in gather_kv(kv_cache, block_table, seq_len))
         # query i sits at position seq_len - q_len + i and sees keys 0 .. that position
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [Q, L]
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale,
                                              enable_gqa=True)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _native_decode_module(query, kv_cache, meta: AttentionMetadata):
