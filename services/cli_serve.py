@@ -35,7 +35,8 @@ def add_subcommands(subparsers) -> None:
     router.add_argument("--model", default="smollm2", help="where the tokenizer comes from")
     router.add_argument("--served-model-name", default="")
     router.add_argument("--backends", default="127.0.0.1:50061",
-                        help="comma-separated host:port of unified engine instances")
+                        help="comma-separated host:port (or dns:NAME:PORT) of unified engine "
+                             "instances; may be empty with --registry")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
     router.add_argument("--grpc-port", type=int, default=50051, help="-1 -> no gRPC API")
@@ -50,6 +51,9 @@ def add_subcommands(subparsers) -> None:
                              "computes them")
     router.add_argument("--prefill-timeout", type=float, default=60.0,
                         help="seconds before a Prefill is given up and retried elsewhere")
+    from pdserve.services.router.cli_args import add_router_args
+
+    add_router_args(router)  # routing, admission, fallback ladder, registry, API keys
     router.set_defaults(func=_run_router)
     from pdserve.services.kvstore.cli import add_kvstore_subcommands
 
@@ -63,6 +67,12 @@ def add_subcommands(subparsers) -> None:
         p.add_argument("--model", default="smollm2")
         _engine_args(p)
         _kv_args(p)
+        _registry_args(p)
+        p.add_argument("--metrics-port", type=int, default=0,
+                       help="serve Prometheus /metrics over HTTP on this port; 0 -> none")
+        p.add_argument("--otlp-endpoint", default="",
+                       help="export traces over OTLP/gRPC here (default: "
+                            "$OTEL_EXPORTER_OTLP_ENDPOINT; neither -> no export)")
         p.set_defaults(func=_run_engine)
 
 
@@ -105,6 +115,26 @@ def _kv_args(p: argparse.ArgumentParser) -> None:
                    help="a KV load slower than this is given up and recomputed")
 
 
+def _registry_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--registry", default="", help="redis://HOST:PORT/DB: heartbeat this "
+                   "instance's address, role and load there (routers watching it use it)")
+    p.add_argument("--advertise-address", default="",
+                   help="host:port routers dial (default: --host:--port)")
+
+
+def _registry_env(args) -> None:
+    """The engine service reads its registry settings from the environment (as in a pod
+    spec), so the flags become variables (services/registry/config.py)."""
+    import os
+
+    from pdserve.services.registry.config import ENV_ADDRESS, ENV_URL
+
+    if getattr(args, "registry", ""):
+        os.environ[ENV_URL] = args.registry
+    if getattr(args, "advertise_address", ""):
+        os.environ[ENV_ADDRESS] = args.advertise_address
+
+
 def engine_argv(args, cpus: Optional[str] = None, threads: Optional[int] = None) -> list[str]:
     """The engine options of `args` as command-line words (the launcher passes them on);
     `cpus` / `threads` replace args.cpus / args.num_threads (one instance of several)."""
@@ -136,6 +166,7 @@ def _run_engine(args) -> int:
     from pdserve.services.common.engine_service_config import EngineServiceConfig
 
     _setup_logging()
+    _registry_env(args)
     cfg = EngineServiceConfig(
         role=args.role, host=args.host, port=args.port, model=args.model,
         tiny_seed=args.tiny_seed, num_threads=args.num_threads,
@@ -144,26 +175,21 @@ def _run_engine(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         kv_store=args.kv_store, kv_transport=args.kv_transport, kv_lease_s=args.kv_lease,
-        kv_load_timeout_s=args.kv_load_timeout)
+        kv_load_timeout_s=args.kv_load_timeout, metrics_port=args.metrics_port,
+        otlp_endpoint=args.otlp_endpoint)
     asyncio.run(run_engine_server(cfg))
     return 0
 
 
 def _run_router(args) -> int:
-    from pdserve.services.router.config import RouterConfig
+    from pdserve.services.router.cli_args import router_config
     from pdserve.services.router.server import run_router
 
     _setup_logging()
     import torch  # the tokenizer loader imports it; keep it off the other services' cores
 
     torch.set_num_threads(1)
-    cfg = RouterConfig(
-        model=args.model, served_model_name=args.served_model_name,
-        backends=_addresses(args.backends),
-        host=args.host, port=args.port, grpc_port=args.grpc_port,
-        health_interval_s=args.health_interval, max_n=args.max_n,
-        prefill_backends=_addresses(args.prefill_backends), kv_store=args.kv_store,
-        min_prefill_tokens=args.min_prefill_tokens, prefill_timeout_s=args.prefill_timeout)
+    cfg = router_config(args, _addresses)
     asyncio.run(run_router(cfg))
     return 0
 

@@ -24,49 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x65ngine.proto\x12\npdserve.v1\"\x90\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0f \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"L\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\"\x92\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\x83\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x07logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x12\n\nblock_keys\x18\x04 \x03(\x0c\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12$\n\x07timings\x18\x08 \x01(\x0b\x32\x13.pdserve.v1.Timings\"\xd5\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x0e\x66irst_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nblock_keys\x18\x04 \x03(\x0c\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x01\x88\x01\x01\x42\x11\n\x0f_first_token_idB\r\n\x0b_cache_salt\"\x9a\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x08 \x01(\r\x12$\n\x07timings\x18\t \x01(\x0b\x32\x13.pdserve.v1.Timings\"\x0f\n\rHealthRequest\"\x8b\x02\n\x0eHealthResponse\x12\x31\n\x06status\x18\x01 \x01(\x0e\x32!.pdserve.v1.HealthResponse.Status\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x0f\n\x07kv_role\x18\x08 \x01(\t\">\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\"\r\n\x0bLoadRequest\"\xa7\x02\n\x0cLoadResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x1a\n\x12num_waiting_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x13\n\x0bnum_aborted\x18\x07 \x01(\x04\x12\x14\n\x0cnum_finished\x18\x08 \x01(\x04\x12\x1a\n\x12num_waiting_for_kv\x18\t \x01(\r\x12\x1c\n\x14num_kv_load_failures\x18\n \x01(\x04\x12\'\n\x02kv\x18\x0b \x01(\x0b\x32\x1b.pdserve.v1.KVTransferStats\"\xdd\x02\n\x0fKVTransferStats\x12\x14\n\x0c\x62locks_saved\x18\x01 \x01(\x04\x12\x15\n\rblocks_loaded\x18\x02 \x01(\x04\x12\x13\n\x0b\x62ytes_saved\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ytes_loaded\x18\x04 \x01(\x04\x12\x15\n\rsave_failures\x18\x05 \x01(\x04\x12\x15\n\rload_failures\x18\x06 \x01(\x04\x12\x17\n\x0flookup_failures\x18\x07 \x01(\x04\x12\x14\n\x0csave_seconds\x18\x08 \x01(\x01\x12\x14\n\x0cload_seconds\x18\t \x01(\x01\x12H\n\x0f\x66\x61ilure_reasons\x18\n \x03(\x0b\x32/.pdserve.v1.KVTransferStats.FailureReasonsEntry\x1a\x35\n\x13\x46\x61ilureReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd3\x01\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12<\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x18.pdserve.v1.LoadResponse2\xd1\x01\n\rDecodeService\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12<\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x18.pdserve.v1.LoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x65ngine.proto\x12\npdserve.v1\"\x90\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0f \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xb5\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x35\n\tbreakdown\x18\x05 \x03(\x0b\x32\".pdserve.v1.Timings.BreakdownEntry\x1a\x30\n\x0e\x42reakdownEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x92\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\x83\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x07logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x12\n\nblock_keys\x18\x04 \x03(\x0c\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12$\n\x07timings\x18\x08 \x01(\x0b\x32\x13.pdserve.v1.Timings\"\xd5\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x0e\x66irst_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nblock_keys\x18\x04 \x03(\x0c\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x01\x88\x01\x01\x42\x11\n\x0f_first_token_idB\r\n\x0b_cache_salt\"\x9a\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x08 \x01(\r\x12$\n\x07timings\x18\t \x01(\x0b\x32\x13.pdserve.v1.Timings\"\x0f\n\rHealthRequest\"\x8b\x02\n\x0eHealthResponse\x12\x31\n\x06status\x18\x01 \x01(\x0e\x32!.pdserve.v1.HealthResponse.Status\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x0f\n\x07kv_role\x18\x08 \x01(\t\">\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\"\r\n\x0bLoadRequest\"\xa7\x02\n\x0cLoadResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x1a\n\x12num_waiting_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x13\n\x0bnum_aborted\x18\x07 \x01(\x04\x12\x14\n\x0cnum_finished\x18\x08 \x01(\x04\x12\x1a\n\x12num_waiting_for_kv\x18\t \x01(\r\x12\x1c\n\x14num_kv_load_failures\x18\n \x01(\x04\x12\'\n\x02kv\x18\x0b \x01(\x0b\x32\x1b.pdserve.v1.KVTransferStats\"\xdd\x02\n\x0fKVTransferStats\x12\x14\n\x0c\x62locks_saved\x18\x01 \x01(\x04\x12\x15\n\rblocks_loaded\x18\x02 \x01(\x04\x12\x13\n\x0b\x62ytes_saved\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ytes_loaded\x18\x04 \x01(\x04\x12\x15\n\rsave_failures\x18\x05 \x01(\x04\x12\x15\n\rload_failures\x18\x06 \x01(\x04\x12\x17\n\x0flookup_failures\x18\x07 \x01(\x04\x12\x14\n\x0csave_seconds\x18\x08 \x01(\x01\x12\x14\n\x0cload_seconds\x18\t \x01(\x01\x12H\n\x0f\x66\x61ilure_reasons\x18\n \x03(\x0b\x32/.pdserve.v1.KVTransferStats.FailureReasonsEntry\x1a\x35\n\x13\x46\x61ilureReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd3\x01\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12<\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x18.pdserve.v1.LoadResponse2\xd1\x01\n\rDecodeService\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12<\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x18.pdserve.v1.LoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TIMINGS_BREAKDOWNENTRY']._loaded_options = None
+  _globals['_TIMINGS_BREAKDOWNENTRY']._serialized_options = b'8\001'
   _globals['_KVTRANSFERSTATS_FAILUREREASONSENTRY']._loaded_options = None
   _globals['_KVTRANSFERSTATS_FAILUREREASONSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2638
-  _globals['_FINISHREASON']._serialized_end=2758
+  _globals['_FINISHREASON']._serialized_start=2744
+  _globals['_FINISHREASON']._serialized_end=2864
   _globals['_SAMPLINGPARAMS']._serialized_start=29
   _globals['_SAMPLINGPARAMS']._serialized_end=557
   _globals['_TOPLOGPROB']._serialized_start=559
   _globals['_TOPLOGPROB']._serialized_end=606
   _globals['_TOKENLOGPROB']._serialized_start=608
   _globals['_TOKENLOGPROB']._serialized_end=694
-  _globals['_TIMINGS']._serialized_start=696
-  _globals['_TIMINGS']._serialized_end=772
-  _globals['_PREFILLREQUEST']._serialized_start=775
-  _globals['_PREFILLREQUEST']._serialized_end=921
-  _globals['_PREFILLRESPONSE']._serialized_start=924
-  _globals['_PREFILLRESPONSE']._serialized_end=1183
-  _globals['_DECODEREQUEST']._serialized_start=1186
-  _globals['_DECODEREQUEST']._serialized_end=1399
-  _globals['_DECODERESPONSE']._serialized_start=1402
-  _globals['_DECODERESPONSE']._serialized_end=1684
-  _globals['_HEALTHREQUEST']._serialized_start=1686
-  _globals['_HEALTHREQUEST']._serialized_end=1701
-  _globals['_HEALTHRESPONSE']._serialized_start=1704
-  _globals['_HEALTHRESPONSE']._serialized_end=1971
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=1909
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1971
-  _globals['_LOADREQUEST']._serialized_start=1973
-  _globals['_LOADREQUEST']._serialized_end=1986
-  _globals['_LOADRESPONSE']._serialized_start=1989
-  _globals['_LOADRESPONSE']._serialized_end=2284
-  _globals['_KVTRANSFERSTATS']._serialized_start=2287
-  _globals['_KVTRANSFERSTATS']._serialized_end=2636
-  _globals['_KVTRANSFERSTATS_FAILUREREASONSENTRY']._serialized_start=2583
-  _globals['_KVTRANSFERSTATS_FAILUREREASONSENTRY']._serialized_end=2636
-  _globals['_PREFILLSERVICE']._serialized_start=2761
-  _globals['_PREFILLSERVICE']._serialized_end=2972
-  _globals['_DECODESERVICE']._serialized_start=2975
-  _globals['_DECODESERVICE']._serialized_end=3184
+  _globals['_TIMINGS']._serialized_start=697
+  _globals['_TIMINGS']._serialized_end=878
+  _globals['_TIMINGS_BREAKDOWNENTRY']._serialized_start=830
+  _globals['_TIMINGS_BREAKDOWNENTRY']._serialized_end=878
+  _globals['_PREFILLREQUEST']._serialized_start=881
+  _globals['_PREFILLREQUEST']._serialized_end=1027
+  _globals['_PREFILLRESPONSE']._serialized_start=1030
+  _globals['_PREFILLRESPONSE']._serialized_end=1289
+  _globals['_DECODEREQUEST']._serialized_start=1292
+  _globals['_DECODEREQUEST']._serialized_end=1505
+  _globals['_DECODERESPONSE']._serialized_start=1508
+  _globals['_DECODERESPONSE']._serialized_end=1790
+  _globals['_HEALTHREQUEST']._serialized_start=1792
+  _globals['_HEALTHREQUEST']._serialized_end=1807
+  _globals['_HEALTHRESPONSE']._serialized_start=1810
+  _globals['_HEALTHRESPONSE']._serialized_end=2077
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=2015
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=2077
+  _globals['_LOADREQUEST']._serialized_start=2079
+  _globals['_LOADREQUEST']._serialized_end=2092
+  _globals['_LOADRESPONSE']._serialized_start=2095
+  _globals['_LOADRESPONSE']._serialized_end=2390
+  _globals['_KVTRANSFERSTATS']._serialized_start=2393
+  _globals['_KVTRANSFERSTATS']._serialized_end=2742
+  _globals['_KVTRANSFERSTATS_FAILUREREASONSENTRY']._serialized_start=2689
+  _globals['_KVTRANSFERSTATS_FAILUREREASONSENTRY']._serialized_end=2742
+  _globals['_PREFILLSERVICE']._serialized_start=2867
+  _globals['_PREFILLSERVICE']._serialized_end=3078
+  _globals['_DECODESERVICE']._serialized_start=3081
+  _globals['_DECODESERVICE']._serialized_end=3290
 # @@protoc_insertion_point(module_scope)

@@ -46,6 +46,7 @@ class RouterMetrics:
                                  ["instance"], registry=r)
 
         self._disaggregation(r)
+        self._routing(r)
 
     def _disaggregation(self, r: CollectorRegistry) -> None:
         """Routing decisions and fallbacks of disaggregated mode, and the instances' KV
@@ -83,6 +84,33 @@ class RouterMetrics:
         self.instance_kv_failures = Gauge(
             "pdserve_instance_kv_failures", "An instance's failed KV saves, loads (each one "
             "recomputed) and store lookups since it started", ["instance", "kind"], registry=r)
+
+    def _routing(self, r: CollectorRegistry) -> None:
+        """Routing decisions, the fallback ladder's rungs, breakers and admission."""
+        self.routed = Counter("pdserve_router_routed", "Calls routed, by instance kind and "
+                              "instance", ["kind", "instance"], registry=r)
+        self.disagg_decisions = Counter(
+            "pdserve_router_disagg_decisions", "Where a prompt was computed: prefill "
+            "(on a prefill instance) or a reason decode computed it (stored, short, "
+            "prefill_busy, no_prefill)", ["decision"], registry=r)
+        self.fallbacks = Counter(
+            "pdserve_router_fallback_rungs", "Fallback ladder steps taken: prefill_retry, "
+            "prefill_to_unified, decode_retry, error_after_tokens", ["rung"], registry=r)
+        self.breaker_opened = Counter(
+            "pdserve_router_breaker_opened", "Times an instance's circuit breaker opened",
+            ["instance"], registry=r)
+        self.admission_rejected = Counter(
+            "pdserve_router_admission_rejected", "Requests refused at admission: queue_full, "
+            "tokens_full, shed (a higher priority took its place), slo (TTFT target "
+            "unreachable), rate_limit, queue_timeout, unauthorized", ["reason"], registry=r)
+        self.admission_queued = Gauge("pdserve_router_admission_queued",
+                                      "Requests waiting for a dispatch slot", registry=r)
+        self.admission_prefilling = Gauge(
+            "pdserve_router_admission_prefilling",
+            "Requests dispatched that have no first token yet", registry=r)
+        self.prefill_rate = Gauge("pdserve_router_prefill_tokens_per_second",
+                                  "Measured prompt tokens computed per second (the TTFT "
+                                  "estimate's rate)", registry=r)
 
     def observe_instance_kv(self, instance: str, kv) -> None:
         """kv: an instance's KVTransferStats message."""

@@ -14,12 +14,14 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 from pdserve.common.engine.outputs import EngineStats, FinishReason, RequestOutput
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.services.common.request_stream import RequestStream
+from pdserve.services.common.request_timeline import TimelineTracker
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class AsyncEngine:
         self._idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._timelines = TimelineTracker(core)  # engine thread only
         self._stats: EngineStats = core.stats()  # replaced (never mutated) by the engine thread
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
@@ -116,7 +119,11 @@ class AsyncEngine:
                 if not self._drain(block=not busy):
                     break
                 if self.core.has_unfinished_requests():
-                    self._publish(self.core.step())
+                    t0 = time.time_ns()
+                    outputs = self.core.step()
+                    t1 = time.time_ns()
+                    self._timelines.observe(t0, t1)  # before publishing: see RequestTimeline
+                    self._publish(outputs, t1)
                 self._stats = self.core.stats()
         except BaseException as exc:  # a broken engine must not hang its clients
             log.exception("engine loop died")
@@ -143,6 +150,7 @@ class AsyncEngine:
         if isinstance(cmd, _Abort):
             if self._streams.pop(cmd.request_id, None) is not None:
                 self.num_aborted += 1
+            self._timelines.forget(cmd.request_id)
             self.core.abort_request(cmd.request_id)
             return
         stream = cmd.stream
@@ -158,9 +166,10 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(stream.fail, exc)
             return
         self._streams[rid] = stream
+        self._timelines.watch(rid, stream.timeline)
         self._loop.call_soon_threadsafe(stream.accept)
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    def _publish(self, outputs: list[RequestOutput], now_ns: int) -> None:
         batch = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -168,6 +177,8 @@ class AsyncEngine:
                 continue  # aborted by its reader; nobody listens
             if out.finished:
                 del self._streams[out.request_id]
+                self._timelines.forget(out.request_id)
+                stream.timeline.finished_ns = now_ns
                 self.num_finished += out.finish_reason != FinishReason.ABORT
             batch.append((stream, out))
         if batch:

@@ -1,9 +1,11 @@
 """One engine instance as a gRPC server: the role decides which services it offers.
 
 Lifecycle: `build_core` loads the model (slow, before anything listens); `start_engine_server`
-starts the engine thread and the grpc.aio server on the running loop and returns both;
-`run_engine_server` does that, then waits for SIGTERM/SIGINT and shuts down in order: stop
-accepting calls (in-flight ones get `grace_s`), then stop the engine thread.
+starts the engine thread, the grpc.aio server on the running loop and, with `metrics_port`,
+the Prometheus /metrics HTTP server (prometheus_client's own, on a thread), and returns them;
+`run_engine_server` sets up tracing, does that, then waits for SIGTERM/SIGINT and shuts down in
+order: stop accepting calls (in-flight ones get `grace_s`), stop /metrics, stop the engine
+thread, flush the spans still buffered.
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
+from typing import Optional
 
 import grpc
 
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
+from pdserve.common.telemetry.engine_metrics import EngineMetrics
+from pdserve.common.telemetry.tracing import Tracing, setup_tracing
 from pdserve.services.common.async_engine import AsyncEngine
+from pdserve.services.common.engine_telemetry import EngineTelemetry
 from pdserve.services.common.engine_service_config import EngineServiceConfig
 from pdserve.services.common.health import InstanceInfo
 from pdserve.services.common.kv_connector_factory import connector_factory
@@ -30,10 +36,15 @@ class RunningEngineServer:
     server: grpc.aio.Server
     engine: AsyncEngine
     port: int
+    metrics: EngineMetrics
+    metrics_http: Optional[object] = None  # the /metrics HTTP server, when one listens
 
     async def stop(self, grace_s: float) -> None:
         await self.server.stop(grace_s)
         loop = asyncio.get_running_loop()
+        if self.metrics_http is not None:
+            await loop.run_in_executor(None, self.metrics_http.shutdown)
+            self.metrics_http.server_close()
         await loop.run_in_executor(None, self.engine.stop)
         close = getattr(self.engine.core, "close", None)  # the KV connector's thread, client
         if close is not None:
@@ -55,7 +66,11 @@ def build_core(cfg: EngineServiceConfig):
                       connector_factory=connector_factory(kv) if kv is not None else None)
 
 
-async def start_engine_server(cfg: EngineServiceConfig, core) -> RunningEngineServer:
+async def start_engine_server(cfg: EngineServiceConfig, core,
+                              tracing: Optional[Tracing] = None) -> RunningEngineServer:
+    """`tracing`: where the servicers' spans go; None -> the process's global tracer."""
+    from prometheus_client import start_http_server
+
     from pdserve.services.decode.servicer import DecodeServicer
     from pdserve.services.prefill.servicer import PrefillServicer
 
@@ -67,17 +82,28 @@ async def start_engine_server(cfg: EngineServiceConfig, core) -> RunningEngineSe
                         fingerprint=getattr(core, "fingerprint", ""),
                         block_size=cfg.block_size,
                         kv_role=connector.config.role if connector is not None else "")
+    metrics = EngineMetrics(cfg.model, stats_source=lambda: (engine.stats(), engine.kv_stats()))
+    tel = EngineTelemetry(tracer=tracing.tracer if tracing is not None else None,
+                          metrics=metrics, kv_store=connector is not None)
     server = grpc.aio.server()
     if cfg.role in ("unified", "prefill"):
-        pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(engine, info), server)
+        pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(engine, info, tel), server)
     if cfg.role in ("unified", "decode"):
-        pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine, info), server)
+        pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine, info, tel), server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     if port == 0:
         engine.stop()
         raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
+    metrics_http = None
+    if cfg.metrics_port:
+        try:
+            metrics_http, _ = start_http_server(cfg.metrics_port, addr=cfg.host,
+                                                registry=metrics.registry)
+        except OSError:
+            engine.stop()
+            raise
     await server.start()
-    return RunningEngineServer(server, engine, port)
+    return RunningEngineServer(server, engine, port, metrics, metrics_http)
 
 
 async def wait_for_signal() -> None:
@@ -89,10 +115,14 @@ async def wait_for_signal() -> None:
 
 
 async def run_engine_server(cfg: EngineServiceConfig) -> None:
+    tracing = setup_tracing(f"pdserve-{cfg.role}", otlp_endpoint=cfg.otlp_endpoint or None)
     core = build_core(cfg)
-    running = await start_engine_server(cfg, core)
+    running = await start_engine_server(cfg, core, tracing)
     log.info("%s engine service for %s listening on %s:%d", cfg.role, cfg.model, cfg.host,
              running.port)
+    if cfg.metrics_port:
+        log.info("Prometheus metrics on http://%s:%d/metrics", cfg.host, cfg.metrics_port)
     await wait_for_signal()
     log.info("shutting down")
     await running.stop(cfg.grace_s)
+    tracing.shutdown()

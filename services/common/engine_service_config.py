@@ -31,12 +31,16 @@ class EngineServiceConfig:
     kv_transport: str = "auto"  # how to reach the storage nodes: auto | ucx | tcp
     kv_lease_s: float = 30.0  # stored blocks are not evicted for this long
     kv_load_timeout_s: float = 10.0  # a slower load is given up and recomputed
+    metrics_port: int = 0  # Prometheus /metrics over HTTP on `host`; 0 -> no endpoint
+    otlp_endpoint: str = ""  # OTLP/gRPC trace collector; "" -> $OTEL_EXPORTER_OTLP_ENDPOINT
 
     def __post_init__(self):
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if any(c < 0 for c in self.cpus):

@@ -14,6 +14,7 @@ import collections
 from typing import Callable, Optional
 
 from pdserve.common.engine.outputs import RequestOutput
+from pdserve.services.common.request_timeline import RequestTimeline
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -52,6 +53,7 @@ class RequestStream:
         self.finished = False  # the engine sent the final output
         self._closed = False
         self.accepted_at: Optional[float] = None  # loop.time() when the engine took it
+        self.timeline = RequestTimeline()  # phase stamps the engine thread fills in
 
     # --- engine side (called on the loop via call_soon_threadsafe) ---
     def accept(self) -> None:

@@ -10,28 +10,49 @@ recomputed here, so the tokens are the same either way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 import uuid
 
 import grpc
 
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
+from pdserve.common.telemetry.tracing import server_span
 from pdserve.services.common.async_engine import AsyncEngine, EngineDeadError
 from pdserve.services.common.convert import output_to_proto, params_from_proto
+from pdserve.services.common.engine_telemetry import DECODE_RPC, EngineTelemetry, finish_decode
 from pdserve.services.common.health import InstanceInfo, health_response, load_response
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
-    def __init__(self, engine: AsyncEngine, info: InstanceInfo):
+    def __init__(self, engine: AsyncEngine, info: InstanceInfo,
+                 telemetry: EngineTelemetry = EngineTelemetry()):
         self._engine = engine
         self._info = info
+        self._tel = telemetry
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
+        # a child of the caller's span when the call's metadata carries a trace context
+        with server_span(DECODE_RPC, context.invocation_metadata(), tracer=self._tel.tracer,
+                         request_id=request.request_id,
+                         num_prompt_tokens=len(request.prompt_token_ids),
+                         num_block_keys=len(request.block_keys)) as span:
+            # aclosing: a cancelled call must run _decode's finally (the engine abort) now,
+            # not whenever the inner generator is collected
+            async with contextlib.aclosing(self._decode(request, context, span)) as msgs:
+                async for msg in msgs:
+                    yield msg
+
+    async def _decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext,
+                      span):
         salt = request.cache_salt if request.HasField("cache_salt") else None
         first = request.first_token_id if request.HasField("first_token_id") else None
         kv_params = {"block_keys": list(request.block_keys)} if request.block_keys else None
         loop = asyncio.get_running_loop()
         arrival = loop.time()
+        arrival_ns = time.time_ns()
+        metrics = self._tel.metrics
         try:
             params = params_from_proto(request.params, salt)
             stream = await self._engine.submit(request.request_id or uuid.uuid4().hex,
@@ -44,13 +65,28 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         try:
             timings = pb.Timings(queue_s=stream.accepted_at - arrival)
             yield pb.DecodeResponse(timings=timings)  # accepted: the caller may stop waiting
+            last_token_at = None  # loop.time() of the previous message with tokens
+            sent = 0
             async for out in stream:
                 msg = output_to_proto(out)
-                if out.new_token_ids and not timings.ttft_s:
-                    timings.ttft_s = loop.time() - arrival
-                    timings.compute_s = loop.time() - stream.accepted_at
+                n = len(out.new_token_ids)
+                if n:
+                    now = loop.time()
+                    if last_token_at is None:
+                        timings.ttft_s = now - arrival
+                        timings.compute_s = now - stream.accepted_at
+                        if metrics is not None:
+                            metrics.ttft.observe(timings.ttft_s)
+                    elif metrics is not None:
+                        metrics.observe_itl(now - last_token_at, n)
+                    last_token_at = now
+                    sent += n
                 if out.finished:
                     timings.e2e_s = loop.time() - arrival
+                    breakdown = finish_decode(self._tel, span, stream.timeline, arrival_ns,
+                                              time.time_ns(), len(request.prompt_token_ids),
+                                              sent)
+                    timings.breakdown.update(breakdown)
                     msg.timings.CopyFrom(timings)
                 yield msg
         except EngineDeadError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import uuid
 
 import grpc
@@ -18,23 +19,36 @@ from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.engine.outputs import FinishReason
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
+from pdserve.common.telemetry.tracing import server_span
 from pdserve.services.common.async_engine import AsyncEngine, EngineDeadError
 from pdserve.services.common.convert import (FINISH_TO_PROTO, logprob_to_proto,
                                              params_from_proto)
+from pdserve.services.common.engine_telemetry import PREFILL_RPC, EngineTelemetry, finish_prefill
 from pdserve.services.common.health import InstanceInfo, health_response, load_response
 from pdserve.services.common.request_stream import merge_outputs
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
-    def __init__(self, engine: AsyncEngine, info: InstanceInfo):
+    def __init__(self, engine: AsyncEngine, info: InstanceInfo,
+                 telemetry: EngineTelemetry = EngineTelemetry()):
         self._engine = engine
         self._info = info
+        self._tel = telemetry
         self._tokenizer = engine.core.tokenizer  # read-only: safe off the engine thread
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
+        # a child of the caller's span when the call's metadata carries a trace context
+        with server_span(PREFILL_RPC, context.invocation_metadata(), tracer=self._tel.tracer,
+                         request_id=request.request_id,
+                         num_prompt_tokens=len(request.prompt_token_ids)) as span:
+            return await self._prefill(request, context, span)
+
+    async def _prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext,
+                       span) -> pb.PrefillResponse:
         salt = request.cache_salt if request.HasField("cache_salt") else None
         loop = asyncio.get_running_loop()
         arrival = loop.time()
+        arrival_ns = time.time_ns()
         try:
             params = params_from_proto(request.params, salt)
             one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
@@ -58,6 +72,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         if reason == FinishReason.LENGTH and params.max_tokens > 1:
             reason = None  # only our max_tokens=1 ended it: decode goes on
         now = loop.time()
+        breakdown = finish_prefill(self._tel, span, stream.timeline, arrival_ns, time.time_ns(),
+                                   len(request.prompt_token_ids))
         text = out.new_text if reason is not None else self._continued_text(out.new_token_ids)
         return pb.PrefillResponse(
             first_token_id=out.new_token_ids[0], text=text,
@@ -66,7 +82,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             finish_reason=FINISH_TO_PROTO[reason], num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
             timings=pb.Timings(queue_s=stream.accepted_at - arrival, ttft_s=now - arrival,
-                               e2e_s=now - arrival, compute_s=now - stream.accepted_at))
+                               e2e_s=now - arrival, compute_s=now - stream.accepted_at,
+                               breakdown=breakdown))
 
     def _continued_text(self, token_ids: list[int]) -> str:
         """The first token's text as an unfinished stream shows it: the engine flushed a

@@ -1,82 +1,72 @@
-"""The router's static list of engine instances and their health.
+"""The router's instances of one kind, their health, membership and the routing decision.
 
-Lifecycle: `BackendPool(...)` opens one gRPC channel per instance; `start()` runs a first round
-of health checks and then a background task that repeats them every `interval_s`; `close()`
-stops the task and closes the channels. An instance is down after `unhealthy_after` failed
-checks (or failed calls) in a row and up again after one good check. `pick()` goes round-robin
-over the instances that are up. A pool holds one kind of instance: decode (or unified)
-instances answer health checks on DecodeService, prefill instances on PrefillService.
+Lifecycle: `BackendPool(...)` opens one gRPC channel per static instance; `start()` runs a
+first round of health checks and then a background task that repeats them every
+`interval_s`; `close()` stops the task and closes every channel. An instance is down after
+`unhealthy_after` failed checks (or failed calls) in a row and up again after one good check.
+Membership also changes at run time: `sync(source, addresses)` (the registry watcher, the
+DNS resolver) adds instances (checked at once, used as soon as healthy) and retires those a
+source no longer lists (their channels close a minute later, after calls in flight).
+`choose()` asks the pool's policy among instances that are up and whose breaker allows.
+A pool holds one kind of instance: decode (or unified) instances answer health checks on
+DecodeService, prefill instances on PrefillService.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-from typing import Optional
+import time
+from typing import Optional, Sequence
 
 import grpc
 
 from pdserve.common.rpc import engine_pb2 as pb
-from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
 from pdserve.common.telemetry.metrics import RouterMetrics
+from pdserve.services.router.backend import Backend, InstanceLoad, Lease  # noqa: F401
+from pdserve.services.router.breaker import CircuitBreaker
+from pdserve.services.router.candidate import Candidate, RouteRequest
 from pdserve.services.router.errors import unavailable
+from pdserve.services.router.fallback_config import FallbackConfig
+from pdserve.services.router.policies import RoundRobin
+from pdserve.services.router.prefix_memory import PrefixMemory
 
 log = logging.getLogger(__name__)
-
-
-class Backend:
-    def __init__(self, address: str, kind: str = "decode"):
-        if kind not in ("decode", "prefill"):
-            raise ValueError(f"kind must be decode or prefill, got {kind!r}")
-        self.address = address
-        self.kind = kind
-        self.channel = grpc.aio.insecure_channel(address)
-        self.decode = pb_grpc.DecodeServiceStub(self.channel)
-        self.prefill = pb_grpc.PrefillServiceStub(self.channel)
-        self.service = self.decode if kind == "decode" else self.prefill  # Health, GetLoad
-        self.up = False  # unknown counts as down until a check passes
-        self.failures = 0
-        self.max_model_len: Optional[int] = None
-        self.load: Optional[pb.LoadResponse] = None
-        self.health: Optional[pb.HealthResponse] = None  # the last good answer
-
-    def record_failure(self, unhealthy_after: int, why: str) -> None:
-        self.failures += 1
-        if self.up and self.failures >= unhealthy_after:
-            self.up = False
-            log.warning("instance %s is down: %s", self.address, why)
-
-    def record_success(self, health: pb.HealthResponse, load: pb.LoadResponse) -> None:
-        if not self.up:
-            log.info("instance %s is up (%s, role %s)", self.address, health.model, health.role)
-        self.up, self.failures = True, 0
-        self.max_model_len = health.max_model_len or None
-        self.load = load
-        self.health = health
+_RETIRE_S = 60.0
 
 
 class BackendPool:
     def __init__(self, addresses: tuple[str, ...], metrics: RouterMetrics, interval_s: float,
-                 timeout_s: float, unhealthy_after: int, kind: str = "decode"):
+                 timeout_s: float, unhealthy_after: int, kind: str = "decode", policy=None,
+                 fallback: FallbackConfig = FallbackConfig(), memory_blocks: int = 65536):
         self.kind = kind
-        self.backends = [Backend(a, kind) for a in addresses]
+        self._fallback = fallback
+        self.backends = [self._new(a) for a in addresses]
+        self._static = set(addresses)
+        self._sources: dict[str, set[str]] = {}
+        self._retired: list[tuple[float, Backend]] = []
         self._metrics = metrics
         self._interval_s = interval_s
         self._timeout_s = timeout_s
         self._unhealthy_after = unhealthy_after
-        self._rr = itertools.count()
+        self.policy = policy or RoundRobin()
+        self.memory = PrefixMemory(memory_blocks)
         self._task: Optional[asyncio.Task] = None
+
+    def _new(self, address: str) -> Backend:
+        f = self._fallback
+        return Backend(address, self.kind, CircuitBreaker(f.breaker_failures, f.breaker_open_s))
 
     async def start(self) -> None:
         await self.check_all()
-        self._task = asyncio.create_task(self._loop(), name="health-checks")
+        self._task = asyncio.create_task(self._loop(), name=f"{self.kind}-health-checks")
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.gather(*(b.channel.close() for b in self.backends))
+        old = [b for _, b in self._retired]
+        await asyncio.gather(*(b.channel.close() for b in self.backends + old))
 
     @property
     def healthy(self) -> list[Backend]:
@@ -96,23 +86,73 @@ class BackendPool:
         fingerprint, block_size = seen.pop()
         return (fingerprint, block_size) if fingerprint and block_size else None
 
-    def pick(self, exclude: tuple[Backend, ...] = ()) -> Backend:
-        up = [b for b in self.healthy if b not in exclude]
-        if not up:
+    def candidates(self, keys: Sequence[bytes] = (),
+                   exclude: tuple[Backend, ...] = ()) -> list[Candidate]:
+        remembered = self.memory.leading(keys) if keys else {}
+        return [Candidate(b, b.address, b.active, b.queue_tokens, b.reported.kv_usage,
+                          max(remembered.get(b.address, 0), b.summary_prefix(keys)))
+                for b in self.backends
+                if b.up and b not in exclude and b.breaker.allows()]
+
+    def choose(self, req: RouteRequest = RouteRequest(), keys: Sequence[bytes] = (),
+               exclude: tuple[Backend, ...] = ()) -> Backend:
+        """The policy's pick; remembers that `keys` went there. 503 when none is left."""
+        cands = self.candidates(keys, exclude)
+        if not cands:
             raise unavailable(f"no {self.kind} instance is reachable; try again shortly")
-        return up[next(self._rr) % len(up)]
+        backend = self.policy.choose(cands, req).ref
+        if keys:
+            self.memory.record(keys, backend.address)
+        self._metrics.routed.labels(self.kind, backend.address).inc()
+        return backend
+
+    def pick(self, exclude: tuple[Backend, ...] = ()) -> Backend:
+        return self.choose(exclude=exclude)
 
     def report_failure(self, backend: Backend, why: str) -> None:
         backend.record_failure(self._unhealthy_after, why)
         self._metrics.instance_up.labels(backend.address).set(int(backend.up))
 
+    def finish(self, lease: Lease, ok: Optional[bool]) -> None:
+        """Ends one call's lease; counts a breaker that this failure opened."""
+        if lease.finish(ok):
+            log.warning("circuit breaker open for %s", lease.backend.address)
+            self._metrics.breaker_opened.labels(lease.backend.address).inc()
+
+    def sync(self, source: str, addresses: set[str]) -> None:
+        """`source` now lists exactly `addresses`; static instances always stay."""
+        self._sources[source] = set(addresses)
+        wanted = self._static.union(*self._sources.values())
+        have = {b.address for b in self.backends}
+        for address in sorted(wanted - have):
+            backend = self._new(address)
+            self.backends.append(backend)
+            asyncio.ensure_future(self._check(backend))  # usable as soon as it answers
+            log.info("%s instance %s joined", self.kind, address)
+        for backend in [b for b in self.backends if b.address not in wanted]:
+            self.backends.remove(backend)
+            self.memory.forget(backend.address)
+            self._retired.append((time.monotonic(), backend))
+            self._metrics.instance_up.labels(backend.address).set(0)
+            log.info("%s instance %s left", self.kind, backend.address)
+
+    def backend(self, address: str) -> Optional[Backend]:
+        return next((b for b in self.backends if b.address == address), None)
+
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self._interval_s)
             await self.check_all()
+            await self._close_retired()
+
+    async def _close_retired(self) -> None:
+        now = time.monotonic()
+        old = [b for t, b in self._retired if now - t > _RETIRE_S]
+        self._retired = [(t, b) for t, b in self._retired if now - t <= _RETIRE_S]
+        await asyncio.gather(*(b.channel.close() for b in old), return_exceptions=True)
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self._check(b) for b in self.backends))
+        await asyncio.gather(*(self._check(b) for b in list(self.backends)))
         if self.kind == "decode":  # the router-wide gauges count decode instances
             up = self.healthy
             self._metrics.running.set(sum(b.load.num_running for b in up))
@@ -132,4 +172,5 @@ class BackendPool:
             self._metrics.kv_usage.labels(b.address).set(load.kv_usage)
             if load.HasField("kv"):
                 self._metrics.observe_instance_kv(b.address, load.kv)
-        self._metrics.instance_up.labels(b.address).set(int(b.up))
+        if b in self.backends:
+            self._metrics.instance_up.labels(b.address).set(int(b.up))

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.services.router.admission_config import AdmissionConfig
+from pdserve.services.router.fallback_config import FallbackConfig
+from pdserve.services.router.routing_config import RoutingConfig
+
 
 @dataclass(frozen=True)
 class RouterConfig:
     model: str = "smollm2"  # what the router loads its tokenizer from
-    backends: tuple[str, ...] = ("127.0.0.1:50051",)  # unified decode instances, host:port
+    # Unified decode instances: host:port, or dns:NAME:PORT (one instance per address NAME
+    # resolves to, re-resolved every dns_interval_s). May be empty with a registry.
+    backends: tuple[str, ...] = ("127.0.0.1:50051",)
     served_model_name: str = ""  # the name clients send; "" -> `model`
     host: str = "127.0.0.1"
     port: int = 8000  # HTTP; 0 -> any free port
@@ -26,17 +32,34 @@ class RouterConfig:
     min_prefill_tokens: int = 0  # fewer uncached prompt tokens -> decode computes them itself
     prefill_timeout_s: float = 60.0  # a slower Prefill is given up (and retried elsewhere)
     kv_lookup_timeout_s: float = 1.0
+    # Conditional disaggregation: the least-queued prefill instance has more prompt tokens
+    # queued than this -> decode computes the prompt itself. 0: no limit.
+    max_prefill_queue_tokens: int = 0
+    registry_url: str = ""  # redis://...: instances join and leave through the registry
+    registry_interval_s: float = 0.5  # how often the router reads it
+    dns_interval_s: float = 5.0
+    api_key_file: str = ""  # one key per line; set -> requests need Authorization: Bearer
+    routing: RoutingConfig = RoutingConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    fallback: FallbackConfig = FallbackConfig()
 
     def __post_init__(self):
         if not self.model:
             raise ValueError("model must be a non-empty name or path")
-        if not self.backends:
-            raise ValueError("backends must list at least one host:port")
+        if not self.backends and not self.registry_url:
+            raise ValueError("backends must list at least one host:port (or use a registry)")
         for name in ("backends", "prefill_backends"):
             for b in getattr(self, name):
-                _check_address(name, b)
-        if self.prefill_backends and not self.kv_store:
+                _check_address(name, b.removeprefix("dns:"))
+        if self.disaggregated and not self.kv_store:
             raise ValueError("prefill_backends need kv_store (the KV store master host:port)")
+        if self.registry_url and not self.registry_url.startswith(("redis://", "rediss://",
+                                                                   "unix://")):
+            raise ValueError(f"registry_url must be redis://..., got {self.registry_url!r}")
+        if self.max_prefill_queue_tokens < 0:
+            raise ValueError("max_prefill_queue_tokens must be >= 0")
+        if self.registry_interval_s <= 0 or self.dns_interval_s <= 0:
+            raise ValueError("registry_interval_s and dns_interval_s must be > 0")
         if self.kv_store:
             _check_address("kv_store", self.kv_store)
         if self.min_prefill_tokens < 0:
@@ -60,7 +83,8 @@ class RouterConfig:
 
     @property
     def disaggregated(self) -> bool:
-        return bool(self.prefill_backends)
+        """Prefill instances listed, or (with a registry and a KV store) to be discovered."""
+        return bool(self.prefill_backends) or bool(self.registry_url and self.kv_store)
 
 
 def _check_address(name: str, address: str) -> None:

@@ -1,122 +1,147 @@
 """Disaggregated routing: per request, prefill on a prefill instance and decode on a decode
-instance, with the KV hand-off through the KV store, and every fallback to recomputation.
+instance, with the KV hand-off through the KV store, and the fallback ladder.
 
-The decision, per engine request:
+The decision, per engine request (each outcome counted in pdserve_router_disagg_decisions):
 1. Compute the prompt's block keys exactly as the engines do (model fingerprint and block
    size from the decode instances' Health; `cache_salt` seeds the chain) and ask the store
    master how many leading blocks it holds.
-2. If it holds every full block, or fewer than `min_prefill_tokens` prompt tokens are not
-   stored, skip prefill: the decode instance loads the stored blocks and computes the rest
-   (a prompt shorter than one block has no blocks at all, so it always goes this way).
-3. Otherwise Prefill on a prefill instance (which saves the prompt's blocks before it answers),
-   and hand its first token and block keys to a decode instance (HandOffStream).
-4. A prefill that fails or times out is retried once on another prefill instance; if that
-   fails too (or no prefill instance is up) the whole prompt goes to a decode instance, which
-   loads what the store holds and computes the rest. Bad input is the client's error, never
-   retried. The client sees the same tokens on every path; only the latency differs.
+2. Decode computes the prompt itself (unified role, loading what the store holds) when every
+   full block is stored ("stored"; a prompt under one block has none), when fewer than
+   `min_prefill_tokens` tokens are uncached ("short"), when the least-queued prefill
+   instance has more than `max_prefill_queue_tokens` prompt tokens queued ("prefill_busy"),
+   or when no prefill instance is up ("no_prefill"). Otherwise: "prefill".
+3. Prefill on the instance the prefill policy picks (which saves the prompt's blocks before
+   it answers), then hand its first token and block keys to a decode instance the decode
+   policy picks (HandOffStream; decode_open retries another decode before its first token).
+4. The ladder: a prefill that fails or times out is retried on another prefill instance (up
+   to `prefill_retries`, with backoff); then the whole prompt goes to a decode instance.
+   Bad input is the client's error, never retried. Each rung is counted
+   (pdserve_router_fallback_rungs). The client sees the same tokens on every path.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Optional
 
 import grpc
 
-from pdserve.common.kv.block_hash import chain_seed, hash_blocks
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.telemetry.metrics import RouterMetrics
-from pdserve.services.common.convert import (FINISH_FROM_PROTO, logprob_from_proto,
-                                             params_to_proto)
-from pdserve.services.router.backends import Backend, BackendPool
+from pdserve.services.common.convert import FINISH_FROM_PROTO, logprob_from_proto
+from pdserve.services.router.backend import Backend
+from pdserve.services.router.backends import BackendPool
+from pdserve.services.router.candidate import RouteRequest
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.engine_stream import Delta, EngineStream
+from pdserve.services.router.decode_open import DecodeTarget, open_decode
+from pdserve.services.router.engine_stream import Delta
 from pdserve.services.router.errors import APIError, from_backend
 from pdserve.services.router.handoff_stream import HandOffStream
 from pdserve.services.router.kv_lookup import StoreIndex
+from pdserve.services.router.requests import EngineRequest, block_keys, decode_request
+from pdserve.services.router.router_tracing import outgoing_metadata, prefill_span
 
 log = logging.getLogger(__name__)
 _CLIENT_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
 
 
 class DisaggRouter:
-    def __init__(self, cfg: RouterConfig, prefill: BackendPool, decode: BackendPool,
-                 index: StoreIndex, metrics: RouterMetrics):
+    def __init__(self, cfg: RouterConfig, prefill: BackendPool, decode: DecodeTarget,
+                 index: StoreIndex):
         self.cfg, self.prefill, self.decode = cfg, prefill, decode
-        self.index, self.metrics = index, metrics
+        self.index, self.metrics = index, decode.metrics
 
     async def close(self) -> None:
         await self.prefill.close()
         await self.index.close()
 
-    async def open(self, request_id: str, prompt: list[int], params: SamplingParams,
-                   cache_salt: Optional[str]):
+    async def open(self, r: EngineRequest):
         """A stream of Deltas for one engine request (see the module docstring)."""
         t0 = time.monotonic()
-        keys, block_size = self._block_keys(prompt, cache_salt)
+        keys, block_size = block_keys(self.decode.pool, r.prompt, r.cache_salt)
         stored = await self.index.stored_prefix(keys) if keys else 0
         self.metrics.kv_lookup_hit_tokens.inc(stored * block_size)
-        hint = tuple(keys[:stored]) if keys else ()
-        skip = self._skip_reason(len(prompt), keys, stored, block_size)
-        if skip is None:
-            first = await self._prefill(request_id, prompt, params, cache_salt, t0)
+        route = RouteRequest(len(r.prompt), block_size, stored, r.affinity)
+        decision = self._decide(len(r.prompt), keys, stored, block_size)
+        self.metrics.disagg_decisions.labels(decision).inc()
+        if decision == "prefill":
+            first = await self._prefill(r, route, keys or (), t0)
             if first is not None:
-                delta, block_keys, breakdown = first
-                return HandOffStream.start(self.decode, request_id, prompt, params,
-                                           cache_salt, delta, block_keys, breakdown)
+                delta, handed_keys, breakdown = first
+                req = decode_request(r, first_token_id=delta.token_ids[0],
+                                     block_keys=handed_keys)
+                return HandOffStream.start(
+                    lambda: open_decode(self.decode, req, route, keys or (), 0),
+                    delta, breakdown)
             self.metrics.prefill_fallbacks.inc()
-        else:
-            self.metrics.prefill_skipped.labels(skip).inc()
-        return await EngineStream.open(self.decode, request_id, prompt, params, cache_salt,
-                                       block_keys=hint)
+            self.metrics.fallbacks.labels("prefill_to_unified").inc()
+        elif decision in ("stored", "short"):
+            self.metrics.prefill_skipped.labels(decision).inc()
+        hint = tuple(keys[:stored]) if keys else ()
+        uncached = len(r.prompt) - stored * block_size
+        return await open_decode(self.decode, decode_request(r, block_keys=hint), route,
+                                 keys or (), uncached)
 
-    def _block_keys(self, prompt: list[int], salt: Optional[str]):
-        """(the prompt's full-block keys, block size); (None, 0) while the geometry is unknown
-        (then nothing is looked up and prefill computes everything)."""
-        geometry = self.decode.kv_geometry()
-        if geometry is None:
-            return None, 0
-        fingerprint, block_size = geometry
-        return hash_blocks(chain_seed(fingerprint, block_size, salt), prompt, block_size), \
-            block_size
+    def _decide(self, n_prompt: int, keys, stored: int, block_size: int) -> str:
+        prefill_up = self.prefill.candidates()
+        if not prefill_up:
+            return "no_prefill"
+        if keys is not None:
+            if stored == len(keys):
+                return "stored"  # all full blocks (none, for a prompt under one block)
+            if n_prompt - stored * block_size < self.cfg.min_prefill_tokens:
+                return "short"
+        limit = self.cfg.max_prefill_queue_tokens
+        if limit and min(c.queue_tokens for c in prefill_up) > limit:
+            return "prefill_busy"
+        return "prefill"
 
-    def _skip_reason(self, n_prompt: int, keys, stored: int, block_size: int) -> Optional[str]:
-        if keys is None:
-            return None
-        if stored == len(keys):
-            return "stored"  # all full blocks (none, for a prompt under one block)
-        if n_prompt - stored * block_size < self.cfg.min_prefill_tokens:
-            return "short"
-        return None
-
-    async def _prefill(self, request_id, prompt, params, salt, t0: float):
-        """(first Delta, block keys, breakdown) from a prefill instance, trying a second one
-        after a failure; None when neither could (the caller falls back to decode)."""
-        req = pb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt,
-                                params=params_to_proto(params), cache_salt=salt)
+    async def _prefill(self, r: EngineRequest, route: RouteRequest, keys, t0: float):
+        """(first Delta, block keys, breakdown) from a prefill instance, trying others after
+        failures; None when none could (the caller falls back to decode)."""
+        req = pb.PrefillRequest(request_id=r.request_id, prompt_token_ids=r.prompt,
+                                params=r.params_proto, cache_salt=r.cache_salt)
         tried: tuple[Backend, ...] = ()
-        for attempt in range(2):
-            try:
-                backend = self.prefill.pick(exclude=tried)
-            except APIError:
-                return None  # no (other) prefill instance is up
+        fb = self.cfg.fallback
+        for attempt in range(fb.prefill_retries + 1):
             if attempt:
                 self.metrics.prefill_retries.inc()
+                self.metrics.fallbacks.labels("prefill_retry").inc()
+                await asyncio.sleep(fb.backoff_s * 2 ** (attempt - 1))
+            try:
+                backend = self.prefill.choose(route, keys, exclude=tried)
+            except APIError:
+                return None  # no (other) prefill instance is up
             tried += (backend,)
             sent = time.monotonic()
-            try:
-                resp = await backend.prefill.Prefill(req, timeout=self.cfg.prefill_timeout_s)
-            except grpc.aio.AioRpcError as err:
-                if err.code() in _CLIENT_ERRORS:
-                    raise from_backend(err) from None
-                self._prefill_failed(backend, err)
-                continue
-            return _first_delta(resp), tuple(resp.block_keys), {
-                "router_queue_s": sent - t0, "prefill_queue_s": resp.timings.queue_s,
-                "prefill_compute_s": resp.timings.compute_s}
+            resp = await self._prefill_on(backend, req, len(r.prompt))
+            if resp is not None:
+                return _first_delta(resp), tuple(resp.block_keys), {
+                    "router_queue_s": sent - t0, "prefill_queue_s": resp.timings.queue_s,
+                    "prefill_compute_s": resp.timings.compute_s}
         return None
+
+    async def _prefill_on(self, backend: Backend, req, tokens: int):
+        """The instance's answer; None when it failed (counted, breaker told)."""
+        lease = backend.dispatch(tokens)
+        ok: Optional[bool] = None
+        try:
+            with prefill_span(backend.address, req.request_id):
+                resp = await backend.prefill.Prefill(req, timeout=self.cfg.prefill_timeout_s,
+                                                     metadata=outgoing_metadata())
+            ok = True
+            return resp
+        except grpc.aio.AioRpcError as err:
+            if err.code() in _CLIENT_ERRORS:
+                ok = True  # the instance is fine; the request is bad
+                raise from_backend(err) from None
+            ok = False
+            self._prefill_failed(backend, err)
+            return None
+        finally:
+            self.prefill.finish(lease, ok)
 
     def _prefill_failed(self, backend: Backend, err: grpc.aio.AioRpcError) -> None:
         code = err.code()

@@ -1,14 +1,16 @@
-"""One request's Decode call to an engine instance, as typed deltas.
+"""One request's Decode call to one engine instance, as typed deltas.
 
-Lifecycle: `EngineStream.open()` picks an instance, starts the call and returns once the
-instance accepted the request (its first, empty message) or raises APIError, trying the next
-instance when one is unreachable. Iterate it for Deltas until one has `finish_reason`.
-`cancel()` (idempotent, also on any exit from iteration) cancels the gRPC call, which aborts the
-request in the engine and frees its blocks.
+Lifecycle: `EngineStream.open(backend, request, ...)` starts the call and returns once the
+instance accepted the request (its first, empty message) or raises APIError. Iterate it for
+Deltas until one has `finish_reason`; an instance silent for `idle_timeout_s` counts as
+failed (504), so a hung instance never hangs the client. `cancel()` (idempotent, also on
+any exit from iteration) cancels the gRPC call, which aborts the request in the engine and
+frees its blocks. Picking the instance and retrying elsewhere is decode_open.py's job.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
@@ -17,10 +19,8 @@ import grpc
 
 from pdserve.common.engine.outputs import TokenLogprob
 from pdserve.common.rpc import engine_pb2 as pb
-from pdserve.common.sampling_params import SamplingParams
-from pdserve.services.common.convert import (FINISH_FROM_PROTO, logprob_from_proto,
-                                             params_to_proto)
-from pdserve.services.router.backends import Backend, BackendPool
+from pdserve.services.common.convert import FINISH_FROM_PROTO, logprob_from_proto
+from pdserve.services.router.backend import Backend
 from pdserve.services.router.errors import APIError, from_backend, unavailable
 
 
@@ -46,42 +46,37 @@ def delta_from_proto(msg: pb.DecodeResponse) -> Delta:
                  num_output_tokens=msg.num_output_tokens)
 
 
+def stream_failed(backend: Backend, why: str, status: int = 502) -> APIError:
+    code = grpc.StatusCode.DEADLINE_EXCEEDED if status == 504 else grpc.StatusCode.INTERNAL
+    return APIError(status, f"instance {backend.address} {why}", type_="internal_error",
+                    grpc_code=code)
+
+
 class EngineStream:
-    def __init__(self, call, backend: Backend, pool: BackendPool, queue_s: float = 0.0):
+    def __init__(self, call, backend: Backend, idle_timeout_s: float, queue_s: float = 0.0):
         self._call = call
         self.backend = backend
-        self._pool = pool
         self.finished = False
+        self._idle_timeout_s = idle_timeout_s
         self._queue_s = queue_s  # the instance's arrival -> accepted by its engine
 
     @classmethod
-    async def open(cls, pool: BackendPool, request_id: str, prompt_token_ids: list[int],
-                   params: SamplingParams, cache_salt: Optional[str] = None,
-                   first_token_id: Optional[int] = None,
-                   block_keys: tuple[bytes, ...] = ()) -> "EngineStream":
-        """`first_token_id`: continue after a token a prefill instance sampled; `block_keys`:
-        the prompt blocks the KV store holds, for the instance to load."""
-        req = pb.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                               params=params_to_proto(params), cache_salt=cache_salt,
-                               first_token_id=first_token_id, block_keys=block_keys)
-        tried: tuple[Backend, ...] = ()
-        while True:
-            backend = pool.pick(exclude=tried)  # raises 503 when none is left
-            call = backend.decode.Decode(req)
-            try:
-                first = await call.read()
-            except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise from_backend(err) from None
-                pool.report_failure(backend, err.code().name)
-                tried += (backend,)
-                continue
-            except BaseException:
-                call.cancel()
-                raise
-            if first is grpc.aio.EOF:
-                raise unavailable(f"instance {backend.address} closed the stream")
-            return cls(call, backend, pool, first.timings.queue_s)
+    async def open(cls, backend: Backend, req: pb.DecodeRequest, idle_timeout_s: float,
+                   metadata=None) -> "EngineStream":
+        call = backend.decode.Decode(req, metadata=metadata)
+        try:
+            first = await asyncio.wait_for(call.read(), idle_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise from_backend(err) from None
+        except asyncio.TimeoutError:
+            call.cancel()
+            raise stream_failed(backend, "did not accept the request in time", 504) from None
+        except BaseException:
+            call.cancel()
+            raise
+        if first is grpc.aio.EOF:
+            raise unavailable(f"instance {backend.address} closed the stream")
+        return cls(call, backend, idle_timeout_s, first.timings.queue_s)
 
     def __aiter__(self):
         return self
@@ -90,19 +85,20 @@ class EngineStream:
         if self.finished:
             raise StopAsyncIteration
         try:
-            msg = await self._call.read()
+            msg = await asyncio.wait_for(self._call.read(), self._idle_timeout_s)
         except grpc.aio.AioRpcError as err:
             self.finished = True
-            if err.code() == grpc.StatusCode.UNAVAILABLE:
-                self._pool.report_failure(self.backend, err.code().name)
             raise from_backend(err) from None
+        except asyncio.TimeoutError:
+            self.finished = True
+            self.cancel()
+            raise stream_failed(self.backend, "stopped sending", 504) from None
         except BaseException:
             self.cancel()
             raise
         if msg is grpc.aio.EOF:
             self.finished = True
-            raise APIError(502, f"instance {self.backend.address} ended the stream early",
-                           type_="internal_error", grpc_code=grpc.StatusCode.INTERNAL)
+            raise stream_failed(self.backend, "ended the stream early")
         delta = delta_from_proto(msg)
         if delta.finish_reason is not None:
             self.finished = True

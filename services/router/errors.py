@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import grpc
@@ -12,8 +13,10 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: Optional[str] = None, code: Optional[str] = None,
-                 grpc_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
+                 grpc_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT,
+                 retry_after: Optional[int] = None):
         super().__init__(message)
+        self.retry_after = retry_after  # seconds; sent as Retry-After / retry-after metadata
         self.status = status
         self.message = message
         self.type = type_
@@ -39,6 +42,19 @@ def model_not_found(model: str) -> APIError:
 def unavailable(message: str) -> APIError:
     return APIError(503, message, type_="service_unavailable", code="no_backend",
                     grpc_code=grpc.StatusCode.UNAVAILABLE)
+
+
+def too_many(message: str, code: str, retry_after: float) -> APIError:
+    """429 / RESOURCE_EXHAUSTED: refused now, worth retrying after `retry_after` seconds."""
+    return APIError(429, message, type_="rate_limit_error", code=code,
+                    grpc_code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    retry_after=max(1, math.ceil(retry_after)))
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "a valid API key is required: Authorization: Bearer KEY",
+                    type_="authentication_error", code="invalid_api_key",
+                    grpc_code=grpc.StatusCode.UNAUTHENTICATED)
 
 
 _FROM_GRPC = {

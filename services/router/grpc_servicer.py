@@ -13,8 +13,9 @@ from pdserve.services.common.convert import (FINISH_FROM_PROTO, logprob_to_proto
                                              params_from_proto)
 from pdserve.services.router.errors import APIError, bad_request
 from pdserve.services.router.job import Choice, Job
-from pdserve.services.router.job_run import JobRun
 from pdserve.services.router.prompts import chat_prompt, check_length
+from pdserve.services.router.request_meta import meta_from_headers, metadata_getter
+from pdserve.services.router.router_tracing import request_span
 from pdserve.services.router.state import RouterState
 
 _FINISH_TO_PROTO = {r.value: code for code, r in FINISH_FROM_PROTO.items() if r is not None}
@@ -27,13 +28,16 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.monotonic()
         status = "OK"
+        metadata = context.invocation_metadata()
         try:
-            run = await JobRun.open(self._state.open_stream, self._job(request),
-                                    self._state.metrics, arrival)
+            meta = meta_from_headers(metadata_getter(metadata),
+                                     self._state.config.routing.affinity_header)
+            with request_span("router.Generate", metadata):
+                run = await self._state.start_run(self._job(request), meta, arrival)
         except APIError as err:
             status = err.grpc_code.name
             self._count(status)
-            await context.abort(err.grpc_code, err.message)
+            await _abort(context, err)
         self._state.metrics.in_flight.inc()
         try:
             completion = 0
@@ -51,7 +55,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 yield msg
         except APIError as err:
             status = err.grpc_code.name
-            await context.abort(err.grpc_code, err.message)
+            await _abort(context, err)
         finally:
             run.close()  # also when the client cancelled: aborts in the engine
             self._state.metrics.in_flight.dec()
@@ -90,3 +94,9 @@ class RouterServicer(pb_grpc.RouterServicer):
         return Job(request.request_id or uuid.uuid4().hex, (Choice(0, tuple(ids), params),),
                    salt)
 
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: APIError) -> None:
+    if err.retry_after is not None:
+        context.set_trailing_metadata((("retry-after", str(err.retry_after)),))
+    await context.abort(err.grpc_code, err.message)

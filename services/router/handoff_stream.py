@@ -1,9 +1,10 @@
 """One disaggregated request's client-facing stream: the first token a prefill instance
 sampled, then the tokens a decode instance streams after it.
 
-Lifecycle: `HandOffStream.start()` starts opening the Decode call in the background (first
-token and block keys go with it) and returns at once, so the first token reaches the client
-without waiting for the decode instance. Iterating yields the first Delta, then the decode
+Lifecycle: `HandOffStream.start(open_decode_fn, ...)` starts opening the Decode call in the
+background (`open_decode_fn()`: decode_open.open_decode with the first token and block keys,
+which retries another decode instance while none of its tokens was streamed) and returns at
+once, so the first token reaches the client without waiting for the decode instance. Iterating yields the first Delta, then the decode
 stream's Deltas. `cancel()` (idempotent) cancels the opening or the open call, which aborts
 the request in the decode engine.
 """
@@ -14,27 +15,21 @@ import asyncio
 import dataclasses
 from typing import Optional
 
-from pdserve.common.sampling_params import SamplingParams
-from pdserve.services.router.backends import BackendPool
-from pdserve.services.router.engine_stream import Delta, EngineStream
+from pdserve.services.router.engine_stream import Delta
 
 
 class HandOffStream:
     def __init__(self, first: Delta, opening: Optional[asyncio.Future], breakdown: dict):
         self._first: Optional[Delta] = first
         self._opening = opening
-        self._stream: Optional[EngineStream] = None
+        self._stream = None  # a decode_open.PrimedStream once open
         self._breakdown = breakdown  # the prefill side's figures, added to the last delta
 
     @classmethod
-    def start(cls, pool: BackendPool, request_id: str, prompt: list[int],
-              params: SamplingParams, cache_salt: Optional[str], first: Delta,
-              block_keys: tuple[bytes, ...], breakdown: dict) -> "HandOffStream":
+    def start(cls, open_decode_fn, first: Delta, breakdown: dict) -> "HandOffStream":
         opening = None
         if first.finish_reason is None:
-            opening = asyncio.ensure_future(EngineStream.open(
-                pool, request_id, prompt, params, cache_salt,
-                first_token_id=first.token_ids[0], block_keys=block_keys))
+            opening = asyncio.ensure_future(open_decode_fn())
         return cls(first, opening, breakdown)
 
     def __aiter__(self):

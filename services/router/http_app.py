@@ -8,6 +8,7 @@ which aborts the requests in their engines.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -18,6 +19,8 @@ from pydantic import ValidationError
 
 from pdserve.services.router.errors import APIError, bad_request
 from pdserve.services.router.job_run import JobRun
+from pdserve.services.router.request_meta import meta_from_headers
+from pdserve.services.router.router_tracing import request_span
 from pdserve.services.router.openai_jobs import chat_job, completion_job
 from pdserve.services.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.services.router.responses import (ChatFormat, CompletionFormat, collect,
@@ -80,10 +83,15 @@ async def _generate(request: Request, state: RouterState, endpoint: str, body_ty
                     form_type, prefix: str) -> Response:
     arrival = time.monotonic()
     try:
+        headers = request.headers
+        meta = meta_from_headers(headers.get, state.config.routing.affinity_header)
+        if state.gate is not None:
+            state.gate.authorize(meta)  # before reading what an unknown caller sent
         body = await _parse(request, body_type)
         job = job_fn(body, state, uuid.uuid4().hex)
-        run = await _until_disconnect(request, JobRun.open(state.open_stream, job, state.metrics,
-                                                           arrival))
+        meta = dataclasses.replace(meta, affinity=meta.affinity or body.user or None)
+        with request_span(f"router.{endpoint}", headers):
+            run = await _until_disconnect(request, state.start_run(job, meta, arrival))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         meta = new_meta(prefix, body.model or state.config.model_name,
                         bool(body.logprobs is not None and body.logprobs is not False),
@@ -97,7 +105,8 @@ async def _generate(request: Request, state: RouterState, endpoint: str, body_ty
             response = JSONResponse(await _until_disconnect(request, _counted(
                 collect(run, form), state)))
     except APIError as err:
-        response = JSONResponse(err.to_json(), status_code=err.status)
+        retry = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
+        response = JSONResponse(err.to_json(), status_code=err.status, headers=retry)
     except ClientGone:
         response = Response(status_code=499)  # nobody reads it; nginx's "client closed"
     state.metrics.requests.labels(endpoint, str(response.status_code)).inc()

@@ -4,7 +4,8 @@ Lifecycle: `JobRun.open(open_stream, ...)` opens every choice's stream through `
 (RouterState.open_stream: colocated or disaggregated) (all accepted, or none left open: on
 any failure or cancellation the opened ones are cancelled); iterate it for (index, Delta);
 `close()` (idempotent; `async with` calls it) cancels whatever is still running, which aborts
-those requests in their engines. The merge queue is bounded, so a slow client slows only its
+those requests in their engines. An admission `ticket` (optional) is told of the first token
+and released on close. The merge queue is bounded, so a slow client slows only its
 own streams (gRPC flow control pushes back to the instance, which coalesces, never blocks).
 """
 
@@ -23,18 +24,19 @@ _DONE = object()
 
 class JobRun:
     def __init__(self, job: Job, streams: list, metrics: RouterMetrics,
-                 arrival: float):
+                 arrival: float, ticket=None):
         self.job = job
         self._streams = streams
-        self._latency = _LatencyTracker(metrics, arrival, len(streams))
+        self._ticket = ticket
+        self._latency = _LatencyTracker(metrics, arrival, len(streams), ticket)
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(streams))
         self._pumps: list[asyncio.Task] = []
 
     @classmethod
     async def open(cls, open_stream, job: Job, metrics: RouterMetrics,
-                   arrival: Optional[float] = None) -> "JobRun":
+                   arrival: Optional[float] = None, ticket=None) -> "JobRun":
         """open_stream(request_id, prompt, params, cache_salt) -> a stream of Deltas with
-        cancel()."""
+        cancel(). The ticket is released here when opening fails."""
         arrival = time.monotonic() if arrival is None else arrival
         tasks = [asyncio.ensure_future(open_stream(
             f"{job.request_id}-{c.index}", list(c.prompt_token_ids), c.params,
@@ -42,13 +44,15 @@ class JobRun:
         try:
             streams = list(await asyncio.gather(*tasks))
         except BaseException:
+            if ticket is not None:
+                ticket.release()
             for t in tasks:
                 t.cancel()
             for r in await asyncio.gather(*tasks, return_exceptions=True):
                 if not isinstance(r, BaseException):
                     r.cancel()
             raise
-        return cls(job, streams, metrics, arrival)
+        return cls(job, streams, metrics, arrival, ticket)
 
     async def __aenter__(self):
         return self
@@ -57,6 +61,8 @@ class JobRun:
         self.close()
 
     def close(self) -> None:
+        if self._ticket is not None:
+            self._ticket.release()
         for t in self._pumps:
             t.cancel()
         for s in self._streams:
@@ -93,8 +99,9 @@ class JobRun:
 class _LatencyTracker:
     """TTFT, inter-token latency and end-to-end latency, measured where the client sees them."""
 
-    def __init__(self, metrics: RouterMetrics, arrival: float, n: int):
+    def __init__(self, metrics: RouterMetrics, arrival: float, n: int, ticket=None):
         self._m = metrics
+        self._ticket = ticket
         self._arrival = arrival
         self._last: list[Optional[float]] = [None] * n
         self._first_seen = False
@@ -108,6 +115,8 @@ class _LatencyTracker:
                 if not self._first_seen:  # the request's first token, over all choices
                     self._first_seen = True
                     self._m.ttft.observe(now - self._arrival)
+                    if self._ticket is not None:
+                        self._ticket.first_token()
             else:
                 gap = (now - last) / k  # a merged delta spreads its gap over its tokens
                 for _ in range(k):

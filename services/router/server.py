@@ -2,10 +2,10 @@
 
 Lifecycle: `start_router` loads the tokenizer, runs a first round of instance health checks
 (decode instances, and in disaggregated mode prefill instances too, plus a channel to the KV
-store master), starts the gRPC server and uvicorn, and returns once both listen.
-`RunningRouter.stop()` stops taking requests, lets those in flight finish for `grace_s` (then
-cancels them, which aborts them in their engines), stops the health checks and closes the
-channels.
+store master), starts the membership watchers (registry, DNS) when configured, starts the
+gRPC server and uvicorn, and returns once both listen. `RunningRouter.stop()` stops taking
+requests, lets those in flight finish for `grace_s` (then cancels them, which aborts them in
+their engines), stops the watchers and the health checks and closes the channels.
 `run_router` wraps the two around waiting for SIGTERM/SIGINT.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -24,7 +25,13 @@ from pdserve.common.rpc import router_pb2_grpc as pb_grpc
 from pdserve.common.telemetry.metrics import RouterMetrics
 from pdserve.services.common.engine_server import wait_for_signal
 from pdserve.services.router.backends import BackendPool
+from pdserve.services.registry.config import RegistryConfig
 from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.dns_watch import DnsWatcher, split_dns
+from pdserve.services.router.gate import Gate
+from pdserve.services.router.policies import make_policy
+from pdserve.services.router.registry_watch import RegistryWatcher
+from pdserve.services.router.router_tracing import setup_router_tracing
 from pdserve.services.router.grpc_servicer import RouterServicer
 from pdserve.services.router.http_app import build_app
 from pdserve.services.router.state import RouterState
@@ -49,6 +56,7 @@ class RunningRouter:
     grpc_server: Optional[grpc.aio.Server]
     http_port: int
     grpc_port: Optional[int]
+    watchers: tuple = ()
 
     async def stop(self) -> None:
         self.http.should_exit = True
@@ -56,6 +64,7 @@ class RunningRouter:
         if self.grpc_server is not None:
             stops.append(self.grpc_server.stop(self.state.config.grace_s))
         await asyncio.gather(*stops, return_exceptions=True)
+        await asyncio.gather(*(w.stop() for w in self.watchers), return_exceptions=True)
         await self.state.pool.close()
         if self.state.disagg is not None:
             await self.state.disagg.close()
@@ -63,13 +72,15 @@ class RunningRouter:
 
 async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
     metrics = RouterMetrics()
-    pool = BackendPool(cfg.backends, metrics, cfg.health_interval_s, cfg.health_timeout_s,
-                       cfg.unhealthy_after)
-    disagg = _disagg_router(cfg, pool, metrics) if cfg.disaggregated else None
-    state = RouterState(cfg, tokenizer or load_tokenizer(cfg.model), pool, metrics, disagg)
+    pool = _pool(cfg, metrics, cfg.backends, "decode")
+    state = RouterState(cfg, tokenizer or load_tokenizer(cfg.model), pool, metrics, None,
+                        Gate(cfg, metrics))
+    disagg = _disagg_router(cfg, state, metrics) if cfg.disaggregated else None
+    state = dataclasses.replace(state, disagg=disagg)
     await pool.start()
     if disagg is not None:
         await disagg.prefill.start()
+    watchers = await _watchers(cfg, pool, disagg.prefill if disagg is not None else None)
     grpc_server, grpc_port = None, None
     if cfg.grpc_port >= 0:
         grpc_server = grpc.aio.server()
@@ -88,20 +99,43 @@ async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
             raise OSError(f"HTTP server on {cfg.host}:{cfg.port} did not start")
         await asyncio.sleep(0.02)
     http_port = http.servers[0].sockets[0].getsockname()[1]
-    return RunningRouter(state, http, task, grpc_server, http_port, grpc_port)
+    return RunningRouter(state, http, task, grpc_server, http_port, grpc_port, watchers)
 
 
-def _disagg_router(cfg: RouterConfig, decode: BackendPool, metrics: RouterMetrics):
+def _pool(cfg: RouterConfig, metrics: RouterMetrics, addresses, kind: str) -> BackendPool:
+    plain, _ = split_dns(addresses)
+    policy = cfg.routing.decode_policy if kind == "decode" else cfg.routing.prefill_policy
+    return BackendPool(plain, metrics, cfg.health_interval_s, cfg.health_timeout_s,
+                       cfg.unhealthy_after, kind=kind, policy=make_policy(policy, cfg.routing),
+                       fallback=cfg.fallback, memory_blocks=cfg.routing.prefix_memory_blocks)
+
+
+async def _watchers(cfg: RouterConfig, decode: BackendPool, prefill) -> tuple:
+    """Membership sources beyond the static lists: dns: entries and the registry."""
+    watchers = []
+    for pool, addresses in ((decode, cfg.backends), (prefill, cfg.prefill_backends)):
+        _, dns = split_dns(addresses)
+        if dns and pool is not None:
+            watchers.append(await DnsWatcher(dns, pool, cfg.dns_interval_s).start())
+    if cfg.registry_url:
+        reg = RegistryConfig(cfg.registry_url, ttl_s=max(3.0, 2 * cfg.registry_interval_s),
+                             interval_s=cfg.registry_interval_s)
+        watchers.append(await RegistryWatcher(reg, {"decode": decode,
+                                                    "prefill": prefill}).start())
+    return tuple(watchers)
+
+
+def _disagg_router(cfg: RouterConfig, state: RouterState, metrics: RouterMetrics):
     from pdserve.services.router.disagg import DisaggRouter
     from pdserve.services.router.kv_lookup import StoreIndex
 
-    prefill = BackendPool(cfg.prefill_backends, metrics, cfg.health_interval_s,
-                          cfg.health_timeout_s, cfg.unhealthy_after, kind="prefill")
+    prefill = _pool(cfg, metrics, cfg.prefill_backends, "prefill")
     index = StoreIndex(cfg.kv_store, metrics, cfg.kv_lookup_timeout_s)
-    return DisaggRouter(cfg, prefill, decode, index, metrics)
+    return DisaggRouter(cfg, prefill, state.decode_target, index)
 
 
 async def run_router(cfg: RouterConfig) -> None:
+    tracing = setup_router_tracing()
     running = await start_router(cfg)
     log.info("router for %s: http %s:%d, grpc %s, instances %s%s", cfg.model_name, cfg.host,
              running.http_port, running.grpc_port, ",".join(cfg.backends),
@@ -110,3 +144,4 @@ async def run_router(cfg: RouterConfig) -> None:
     await wait_for_signal()
     log.info("shutting down")
     await running.stop()
+    tracing.shutdown()

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass
 from typing import Optional
 
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.telemetry.metrics import RouterMetrics
 from pdserve.services.router.backends import BackendPool
-from pdserve.common.sampling_params import SamplingParams
+from pdserve.services.router.candidate import RouteRequest
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.engine_stream import EngineStream
+from pdserve.services.router.decode_open import DecodeTarget, open_decode
 from pdserve.services.router.errors import model_not_found
+from pdserve.services.router.job import Job
+from pdserve.services.router.job_run import JobRun
 from pdserve.services.router.openai_format import TokenText
+from pdserve.services.router.request_meta import RequestMeta
+from pdserve.services.router.requests import EngineRequest, block_keys, decode_request
 
 
 @dataclass(frozen=True)
@@ -21,14 +28,31 @@ class RouterState:
     pool: BackendPool  # the instances that decode (unified ones when colocated)
     metrics: RouterMetrics
     disagg: object = None  # a DisaggRouter in disaggregated mode
+    gate: object = None  # a gate.Gate: API keys, rate limits, admission (None: open)
+
+    @functools.cached_property
+    def decode_target(self) -> DecodeTarget:
+        return DecodeTarget(self.pool, self.config.fallback, self.metrics)
+
+    async def start_run(self, job: Job, meta: RequestMeta,
+                        arrival: Optional[float] = None) -> JobRun:
+        """Admits the job (APIError 401 / 429 when refused) and opens its streams."""
+        arrival = time.monotonic() if arrival is None else arrival
+        ticket = await self.gate.enter(meta, job) if self.gate is not None else None
+        opener = functools.partial(self.open_stream, affinity=meta.affinity)
+        return await JobRun.open(opener, job, self.metrics, arrival, ticket)
 
     async def open_stream(self, request_id: str, prompt: list[int], params: SamplingParams,
-                          cache_salt: Optional[str]):
+                          cache_salt: Optional[str], affinity: Optional[str] = None):
         """One engine request's stream of Deltas: straight to a unified instance, or
         prefill + decode when disaggregated."""
+        r = EngineRequest(request_id, prompt, params, cache_salt, affinity)
         if self.disagg is not None:
-            return await self.disagg.open(request_id, prompt, params, cache_salt)
-        return await EngineStream.open(self.pool, request_id, prompt, params, cache_salt)
+            return await self.disagg.open(r)
+        keys, block_size = block_keys(self.pool, prompt, cache_salt)
+        route = RouteRequest(len(prompt), block_size, 0, affinity)
+        return await open_decode(self.decode_target, decode_request(r), route, keys or (),
+                                 len(prompt))
 
     @property
     def text_of(self) -> TokenText:

@@ -1,0 +1,46 @@
+"""What an engine service publishes in its heartbeat, read through its stats path.
+
+EngineCore is not thread-safe; `AsyncEngine.stats()` is a snapshot the engine thread
+replaces each step, and `cache_summary(core, n)` is meant to run on that thread too (the
+engine service stores its result as `engine.cached_block_hashes`, a tuple it replaces, never
+mutates). Without it the heartbeat simply reports no local cache.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Callable
+
+from pdserve.services.registry.config import ENV_ADDRESS, RegistryConfig
+from pdserve.services.registry.heartbeat import Heartbeat
+from pdserve.services.registry.record import PREFIX_BYTES, InstanceRecord
+
+
+def cache_summary(core, limit: int) -> tuple:
+    """The newest `limit` block keys in the engine's local prefix cache, shortened to
+    PREFIX_BYTES. Engine thread only."""
+    keys = list(core.kv.pool.cached)[-limit:] if limit else []
+    return tuple(k[:PREFIX_BYTES] for k in keys)
+
+
+def engine_record_fn(engine, address: str, role: str, model: str) -> Callable[[], InstanceRecord]:
+    def snapshot() -> InstanceRecord:
+        s = engine.stats()
+        cached = frozenset(getattr(engine, "cached_block_hashes", ()) or ())
+        return InstanceRecord(address, role, model, s.num_running, s.num_waiting,
+                              s.num_waiting_tokens, s.kv_usage, cached)
+    return snapshot
+
+
+async def engine_heartbeat(cfg, engine, port: int):
+    """Starts the heartbeat of an engine service when a registry is configured (environment,
+    see config.py); None otherwise. `cfg`: its EngineServiceConfig."""
+    reg = RegistryConfig.from_env()
+    if reg is None:
+        return None
+    host = cfg.host
+    if host in ("0.0.0.0", "::", ""):  # a wildcard is no address to dial
+        host = socket.gethostbyname(socket.gethostname())
+    address = os.environ.get(ENV_ADDRESS) or f"{host}:{port}"
+    return await Heartbeat(reg, engine_record_fn(engine, address, cfg.role, cfg.model)).start()

@@ -1,0 +1,119 @@
+"""One engine instance as the router sees it: its channel, health, last reported load, its
+circuit breaker, and the router's own count of what it sent there.
+
+A Lease is one call's share of that count: `Backend.dispatch()` opens it, `first_token()`
+says the prompt is computed (its tokens leave the queue estimate), `finish(ok)` closes it
+(idempotent) and tells the breaker how the call went (ok=None: neither, e.g. the client
+cancelled).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import grpc
+
+from pdserve.common.rpc import engine_pb2 as pb
+from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
+from pdserve.services.router.breaker import CircuitBreaker
+
+log = logging.getLogger(__name__)
+SUMMARY_PREFIX_BYTES = 8  # cache summaries name blocks by this many leading hash bytes
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    running: int = 0
+    waiting: int = 0
+    waiting_tokens: int = 0
+    kv_usage: float = 0.0
+
+
+class Backend:
+    def __init__(self, address: str, kind: str = "decode",
+                 breaker: Optional[CircuitBreaker] = None):
+        if kind not in ("decode", "prefill"):
+            raise ValueError(f"kind must be decode or prefill, got {kind!r}")
+        self.address = address
+        self.kind = kind
+        self.channel = grpc.aio.insecure_channel(address)
+        self.decode = pb_grpc.DecodeServiceStub(self.channel)
+        self.prefill = pb_grpc.PrefillServiceStub(self.channel)
+        self.service = self.decode if kind == "decode" else self.prefill  # Health, GetLoad
+        self.up = False  # unknown counts as down until a check passes
+        self.failures = 0
+        self.max_model_len: Optional[int] = None
+        self.load: Optional[pb.LoadResponse] = None
+        self.health: Optional[pb.HealthResponse] = None  # the last good answer
+        self.reported = InstanceLoad()  # the newest of GetLoad and the registry heartbeat
+        self.cache_summary: frozenset = frozenset()  # block key prefixes it says it holds
+        self.breaker = breaker or CircuitBreaker(3, 5.0)
+        self.inflight = 0  # calls the router has open there
+        self.inflight_tokens = 0  # their prompt tokens not computed yet
+
+    def record_failure(self, unhealthy_after: int, why: str) -> None:
+        self.failures += 1
+        if self.up and self.failures >= unhealthy_after:
+            self.up = False
+            log.warning("instance %s is down: %s", self.address, why)
+
+    def record_success(self, health: pb.HealthResponse, load: pb.LoadResponse) -> None:
+        if not self.up:
+            log.info("instance %s is up (%s, role %s)", self.address, health.model, health.role)
+        self.up, self.failures = True, 0
+        self.max_model_len = health.max_model_len or None
+        self.load = load
+        self.health = health
+        self.reported = InstanceLoad(load.num_running, load.num_waiting,
+                                     load.num_waiting_tokens, load.kv_usage)
+
+    @property
+    def active(self) -> int:
+        return max(self.reported.running + self.reported.waiting, self.inflight)
+
+    @property
+    def queue_tokens(self) -> int:
+        return max(self.reported.waiting_tokens, self.inflight_tokens)
+
+    def summary_prefix(self, keys) -> int:
+        """Leading `keys` in the cache summary the instance reported."""
+        n = 0
+        summary = self.cache_summary
+        while n < len(keys) and keys[n][:SUMMARY_PREFIX_BYTES] in summary:
+            n += 1
+        return n
+
+    def dispatch(self, tokens: int) -> "Lease":
+        self.breaker.on_dispatch()
+        self.inflight += 1
+        self.inflight_tokens += tokens
+        return Lease(self, tokens, time.monotonic())
+
+
+class Lease:
+    def __init__(self, backend: Backend, tokens: int, sent: float):
+        self.backend = backend
+        self.sent = sent
+        self._tokens = tokens
+        self._open = True
+
+    def first_token(self) -> None:
+        self.backend.inflight_tokens -= self._tokens
+        self._tokens = 0
+
+    def finish(self, ok: Optional[bool]) -> bool:
+        """Closes the lease; True when this failure opened the instance's breaker."""
+        if not self._open:
+            return False
+        self._open = False
+        self.first_token()
+        self.backend.inflight -= 1
+        if ok is None:
+            return False
+        if ok:
+            self.backend.breaker.on_success()
+            return False
+        return self.backend.breaker.on_failure()

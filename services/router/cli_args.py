@@ -1,0 +1,83 @@
+"""`pdserve serve router` flags, and the RouterConfig they make."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.services.router.admission_config import AdmissionConfig
+from pdserve.services.router.config import RouterConfig
+from pdserve.services.router.fallback_config import FallbackConfig
+from pdserve.services.router.routing_config import POLICIES, CostWeights, RoutingConfig
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-prefill-queue-tokens", type=int, default=0,
+                   help="decode computes the prompt when every prefill instance has more "
+                        "prompt tokens queued than this (0: no limit)")
+    p.add_argument("--registry", default="", help="redis://HOST:PORT/DB: instances join "
+                   "and leave through the registry (with --kv-store: disaggregated)")
+    p.add_argument("--api-key-file", default="", help="one key per line; requests then need "
+                   "Authorization: Bearer KEY (401 otherwise); rate limits are per key")
+    r = p.add_argument_group("routing")
+    r.add_argument("--decode-policy", choices=POLICIES, default="kv_aware")
+    r.add_argument("--prefill-policy", choices=POLICIES, default="kv_aware")
+    r.add_argument("--kv-cost-weights", default="", help="store_hit=0.8,queue=1,running=16,"
+                   "kv_usage=256 (any subset; see services/router/cost.py)")
+    r.add_argument("--session-affinity", action="store_true",
+                   help="the same `user` / affinity header goes to the same instance")
+    r.add_argument("--affinity-header", default="x-session-id")
+    a = p.add_argument_group("admission")
+    a.add_argument("--max-prefilling", type=int, default=64,
+                   help="requests dispatched without a first token yet; more queue")
+    a.add_argument("--max-queued", type=int, default=256)
+    a.add_argument("--max-queued-tokens", type=int, default=262144)
+    a.add_argument("--ttft-slo", type=float, default=0.0, help="default TTFT target in "
+                   "seconds (x-ttft-slo-ms per request); a request estimated to miss it is "
+                   "refused at once (429). 0: none")
+    a.add_argument("--prefill-rate", type=float, default=2000.0,
+                   help="first guess of prompt tokens/s until measured")
+    a.add_argument("--queue-timeout", type=float, default=60.0)
+    a.add_argument("--rate-limit-rps", type=float, default=0.0, help="per API key; 0: off")
+    a.add_argument("--rate-limit-burst", type=float, default=0.0)
+    a.add_argument("--rate-limit-tokens-per-s", type=float, default=0.0,
+                   help="prompt + max tokens per key per second; 0: off")
+    f = p.add_argument_group("fallback ladder")
+    f.add_argument("--prefill-retries", type=int, default=1)
+    f.add_argument("--decode-retries", type=int, default=1)
+    f.add_argument("--retry-backoff", type=float, default=0.05)
+    f.add_argument("--breaker-failures", type=int, default=3)
+    f.add_argument("--breaker-open", type=float, default=5.0)
+    f.add_argument("--stream-idle-timeout", type=float, default=120.0)
+
+
+def _weights(text: str) -> CostWeights:
+    values = {}
+    for part in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or name not in CostWeights.__dataclass_fields__:
+            raise ValueError(f"--kv-cost-weights: bad entry {part!r}")
+        values[name] = float(value)
+    return CostWeights(**values)
+
+
+def router_config(args, addresses) -> RouterConfig:
+    """addresses(text) -> tuple of host:port (the comma-separated lists)."""
+    routing = RoutingConfig(args.decode_policy, args.prefill_policy,
+                            _weights(args.kv_cost_weights), args.session_affinity,
+                            args.affinity_header)
+    admission = AdmissionConfig(
+        args.max_prefilling, args.max_queued, args.max_queued_tokens, args.ttft_slo,
+        args.prefill_rate, args.rate_limit_rps, args.rate_limit_burst,
+        args.rate_limit_tokens_per_s, args.queue_timeout)
+    fallback = FallbackConfig(args.prefill_retries, args.decode_retries, args.retry_backoff,
+                              args.breaker_failures, args.breaker_open,
+                              args.stream_idle_timeout)
+    return RouterConfig(
+        model=args.model, served_model_name=args.served_model_name,
+        backends=addresses(args.backends), host=args.host, port=args.port,
+        grpc_port=args.grpc_port, health_interval_s=args.health_interval, max_n=args.max_n,
+        prefill_backends=addresses(args.prefill_backends), kv_store=args.kv_store,
+        min_prefill_tokens=args.min_prefill_tokens, prefill_timeout_s=args.prefill_timeout,
+        max_prefill_queue_tokens=args.max_prefill_queue_tokens, registry_url=args.registry,
+        api_key_file=args.api_key_file, routing=routing, admission=admission,
+        fallback=fallback)

@@ -1,0 +1,86 @@
+"""The router side of the instance registry (services/registry): keeps the router's pools equal to the live entries.
+
+Lifecycle: `RegistryWatcher(cfg, pools, metrics).start()` reads the registry once and then
+every `interval_s`: it SCANs the entries, hands each role's addresses to its pool
+(`BackendPool.sync("registry", ...)`: new instances are health-checked at once and used as
+soon as healthy, vanished ones retire) and copies each entry's load and cache summary onto
+its Backend. An entry expires `ttl_s` after its instance's last heartbeat, so a dead instance
+leaves within ttl + interval (health checks usually mark it down sooner). While Redis is
+unreachable the pools keep what they had. `stop()` ends the task and closes the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Optional
+
+import redis.asyncio as aioredis
+
+from pdserve.services.registry.config import RegistryConfig
+from pdserve.services.registry.record import InstanceRecord
+from pdserve.services.router.backend import InstanceLoad
+
+log = logging.getLogger(__name__)
+POOL_OF_ROLE = {"unified": "decode", "decode": "decode", "prefill": "prefill"}
+
+
+class RegistryWatcher:
+    def __init__(self, cfg: RegistryConfig, pools: dict):
+        """pools: {"decode": BackendPool, "prefill": BackendPool or None}."""
+        self.cfg = cfg
+        self._pools = {k: p for k, p in pools.items() if p is not None}
+        self._redis = aioredis.from_url(cfg.url, socket_timeout=cfg.interval_s,
+                                        socket_connect_timeout=cfg.interval_s)
+        self._task: Optional[asyncio.Task] = None
+        self._healthy = True  # the last read worked (logs only the change)
+
+    async def start(self) -> "RegistryWatcher":
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop(), name="registry-watch")
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._redis.aclose()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.interval_s)
+            await self.refresh()
+
+    async def read(self) -> list[InstanceRecord]:
+        keys = [k async for k in self._redis.scan_iter(match=self.cfg.key_prefix + "*",
+                                                       count=500)]
+        values = await self._redis.mget(keys) if keys else []
+        records = []
+        for key, value in zip(keys, values):
+            if value is None:
+                continue  # expired between SCAN and MGET
+            try:
+                records.append(InstanceRecord.from_json(value))
+            except (ValueError, KeyError) as exc:
+                log.warning("bad registry entry %s: %s", key, exc)
+        return records
+
+    async def refresh(self) -> bool:
+        try:
+            records = await self.read()
+        except (aioredis.RedisError, OSError) as exc:
+            if self._healthy:
+                log.warning("registry unreachable, keeping the instances known: %s", exc)
+            self._healthy = False
+            return False
+        self._healthy = True
+        for kind, pool in self._pools.items():
+            mine = [r for r in records if POOL_OF_ROLE[r.role] == kind]
+            pool.sync("registry", {r.address for r in mine})
+            for r in mine:
+                backend = pool.backend(r.address)
+                if backend is not None:
+                    backend.reported = InstanceLoad(r.running, r.waiting, r.waiting_tokens,
+                                                    r.kv_usage)
+                    backend.cache_summary = r.cached
+        return True
