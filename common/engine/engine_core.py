@@ -130,11 +130,14 @@ class EngineCore:
     # -- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
-        sched = self.scheduler.schedule()
+        self.scheduler.poll_connector()
         for rid in self.scheduler.saved_ids:
             if rid in self._awaiting_save:
                 outputs.append(self._awaiting_save.pop(rid))
         self.scheduler.saved_ids.clear()
+        if outputs:  # answers whose KV just landed go out now, not after another forward
+            return outputs
+        sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.kv_waiting or self.scheduler.held:
                 time.sleep(0.0005)  # only connector I/O is pending: don't spin

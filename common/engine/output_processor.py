@@ -81,15 +81,19 @@ class OutputProcessor:
         if req.logprobs is not None:
             logprobs = req.logprobs[st.sent_logprobs:]
             st.sent_logprobs = len(req.logprobs)
+        timeline = None
         if finished:
             del self.states[req.request_id]
+            timeline = {s.value: t for s, t in req.status_times.items()}
+            if req.first_token_time is not None:
+                timeline["first_token"] = req.first_token_time
         return RequestOutput(
             request_id=req.request_id, new_token_ids=new_tokens, new_text=new_text,
             finished=finished, finish_reason=req.finish_reason if finished else None,
             stop_reason=req.stop_reason, logprobs=logprobs,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=req.num_output_tokens)
+            num_output_tokens=req.num_output_tokens, timeline=timeline)
 
     def text_of(self, request_id: str) -> str:
         return self.states[request_id].text

@@ -41,6 +41,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_output_tokens: int = 0  # total so far
     block_hashes: Optional[list[bytes]] = None  # finished, with a KV connector: prompt blocks
+    timeline: Optional[dict[str, float]] = None  # finished: monotonic times, see Request
 
 
 @dataclass(frozen=True)

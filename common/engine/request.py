@@ -62,6 +62,8 @@ class Request:
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.status = RequestStatus.WAITING
         self.history: list[RequestStatus] = [RequestStatus.WAITING]
+        # monotonic time each status was first entered (queue, KV wait, compute breakdowns)
+        self.status_times: dict[RequestStatus, float] = {RequestStatus.WAITING: self.arrival_time}
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache, at first schedule
         self.num_external_tokens = 0  # tokens loaded through the KV connector
@@ -79,6 +81,7 @@ class Request:
                                     f"{new.name} is not allowed")
         self.status = new
         self.history.append(new)
+        self.status_times.setdefault(new, time.monotonic())
 
     @property
     def num_tokens(self) -> int:

@@ -67,8 +67,7 @@ class Scheduler:
         return bool(self.requests) or bool(self.held)
 
     def schedule(self) -> SchedulerOutput:
-        if self.connector is not None:
-            self._poll_connector()
+        self.poll_connector()
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.token_budget)
         if not out.preempted:
@@ -141,7 +140,10 @@ class Scheduler:
                                                 n_cached, ext)
         return True
 
-    def _poll_connector(self) -> None:
+    def poll_connector(self) -> None:
+        """Take in finished saves and loads (reclaim held blocks, resume loaded requests)."""
+        if self.connector is None:
+            return
         saved, loaded = self.connector.get_finished()
         failed = self.connector.get_failed_loads()
         for rid in saved:

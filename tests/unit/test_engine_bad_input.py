@@ -88,3 +88,10 @@ def test_cancel_waiting_and_running_frees_everything(core):
     assert outs["c2"][-1].finish_reason == FinishReason.LENGTH
     assert core.num_free_blocks == core.num_total_blocks
     assert not core.kv.req_blocks
+
+
+def test_finished_output_carries_the_timeline(core):
+    core.add_request("t", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
+    final = [o for outs in drain(core).values() for o in outs if o.finished][0]
+    tl = final.timeline
+    assert tl["waiting"] <= tl["running"] <= tl["first_token"] <= tl["finished"]

@@ -385,6 +385,8 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
   }
   if (num_reqs == 0) return out;
 
+  // below this many (token, kv head) rows a decode runs on one thread (~3 MiB of fp32 KV)
+  constexpr int64_t kSerialKvRows = 8192;
   const int64_t width = tables.size(1);
   check_metadata(tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), num_reqs, width, bs,
                  num_blocks);
@@ -403,8 +405,15 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
     heads_per_item = num_reqs >= 4 * at::get_num_threads() ? kvh : 1;
   heads_per_item = std::min(heads_per_item, kvh);
   const int64_t chunks = (kvh + heads_per_item - 1) / heads_per_item;
-  // grain 1: each item streams a whole context
-  at::parallel_for(0, num_reqs * chunks, 1, [&](int64_t begin, int64_t end) {
+  // Grain 1 (each item streams a whole context), unless the whole problem is so small that
+  // waking the other threads costs more than it saves: then one thread does it all. On a
+  // shared machine a parallel region stalls whenever one of its threads is descheduled.
+  int64_t kv_rows = 0;
+  const int32_t* len_ptr = lens.data_ptr<int32_t>();
+  for (int64_t r = 0; r < num_reqs; ++r) kv_rows += len_ptr[r];
+  const int64_t items = num_reqs * chunks;
+  const int64_t grain = kv_rows * kvh < kSerialKvRows ? items : 1;
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     Scratch scratch(heads, d, tile_blocks * bs);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h0 = (i % chunks) * heads_per_item;
