@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_subcommand(bench_sub)
     from pdserve.bench.transport import add_transport_subcommand
     add_transport_subcommand(bench_sub)
+    from pdserve.bench.router import add_router_bench_subcommand
+    add_router_bench_subcommand(bench_sub)
     return parser
 
 

@@ -22,6 +22,7 @@ from pdserve.common.engine.outputs import EngineStats, FinishReason, RequestOutp
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.services.common.request_stream import RequestStream
 from pdserve.services.common.request_timeline import TimelineTracker
+from pdserve.services.registry.engine_snapshot import SUMMARY_PERIOD_S, cache_summary
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,10 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._timelines = TimelineTracker(core)  # engine thread only
         self._stats: EngineStats = core.stats()  # replaced (never mutated) by the engine thread
+        # The registry heartbeat's summary of the local prefix cache (engine_snapshot.py):
+        # a tuple the engine thread replaces about once a second, never mutates.
+        self.cached_block_hashes: tuple = ()
+        self._summary_due = 0.0
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._dead: Optional[BaseException] = None
@@ -125,6 +130,9 @@ class AsyncEngine:
                     self._timelines.observe(t0, t1)  # before publishing: see RequestTimeline
                     self._publish(outputs, t1)
                 self._stats = self.core.stats()
+                if time.monotonic() >= self._summary_due:
+                    self.cached_block_hashes = cache_summary(self.core)
+                    self._summary_due = time.monotonic() + SUMMARY_PERIOD_S
         except BaseException as exc:  # a broken engine must not hang its clients
             log.exception("engine loop died")
             self._dead = exc

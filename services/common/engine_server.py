@@ -122,7 +122,12 @@ async def run_engine_server(cfg: EngineServiceConfig) -> None:
              running.port)
     if cfg.metrics_port:
         log.info("Prometheus metrics on http://%s:%d/metrics", cfg.host, cfg.metrics_port)
+    from pdserve.services.registry.engine_snapshot import engine_heartbeat
+
+    heartbeat = await engine_heartbeat(cfg, running.engine, running.port)  # None: no registry
     await wait_for_signal()
     log.info("shutting down")
+    if heartbeat is not None:
+        await heartbeat.stop()  # leave the registry before draining: no new requests come
     await running.stop(cfg.grace_s)
     tracing.shutdown()

@@ -17,11 +17,17 @@ from pdserve.services.registry.heartbeat import Heartbeat
 from pdserve.services.registry.record import PREFIX_BYTES, InstanceRecord
 
 
-def cache_summary(core, limit: int) -> tuple:
+SUMMARY_BLOCKS = 2048  # ~16 KiB of summary per heartbeat
+SUMMARY_PERIOD_S = 1.0
+
+
+def cache_summary(core, limit: int = SUMMARY_BLOCKS) -> tuple:
     """The newest `limit` block keys in the engine's local prefix cache, shortened to
     PREFIX_BYTES. Engine thread only."""
-    keys = list(core.kv.pool.cached)[-limit:] if limit else []
-    return tuple(k[:PREFIX_BYTES] for k in keys)
+    cached = getattr(getattr(getattr(core, "kv", None), "pool", None), "cached", None)
+    if not limit or not cached:  # no prefix cache (or a stand-in core without one)
+        return ()
+    return tuple(k[:PREFIX_BYTES] for k in list(cached)[-limit:])
 
 
 def engine_record_fn(engine, address: str, role: str, model: str) -> Callable[[], InstanceRecord]:

@@ -18,10 +18,10 @@ import grpc
 
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
+from pdserve.services.registry.record import PREFIX_BYTES
 from pdserve.services.router.breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
-SUMMARY_PREFIX_BYTES = 8  # cache summaries name blocks by this many leading hash bytes
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class Backend:
         """Leading `keys` in the cache summary the instance reported."""
         n = 0
         summary = self.cache_summary
-        while n < len(keys) and keys[n][:SUMMARY_PREFIX_BYTES] in summary:
+        while n < len(keys) and keys[n][:PREFIX_BYTES] in summary:
             n += 1
         return n
 

@@ -23,7 +23,7 @@ import grpc
 
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.telemetry.metrics import RouterMetrics
-from pdserve.services.router.backend import Backend, InstanceLoad, Lease  # noqa: F401
+from pdserve.services.router.backend import Backend, Lease
 from pdserve.services.router.breaker import CircuitBreaker
 from pdserve.services.router.candidate import Candidate, RouteRequest
 from pdserve.services.router.errors import unavailable

@@ -29,7 +29,6 @@ from typing import Optional
 import grpc
 
 from pdserve.common.rpc import engine_pb2 as pb
-from pdserve.common.sampling_params import SamplingParams
 from pdserve.services.common.convert import FINISH_FROM_PROTO, logprob_from_proto
 from pdserve.services.router.backend import Backend
 from pdserve.services.router.backends import BackendPool

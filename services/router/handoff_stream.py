@@ -4,8 +4,8 @@ sampled, then the tokens a decode instance streams after it.
 Lifecycle: `HandOffStream.start(open_decode_fn, ...)` starts opening the Decode call in the
 background (`open_decode_fn()`: decode_open.open_decode with the first token and block keys,
 which retries another decode instance while none of its tokens was streamed) and returns at
-once, so the first token reaches the client without waiting for the decode instance. Iterating yields the first Delta, then the decode
-stream's Deltas. `cancel()` (idempotent) cancels the opening or the open call, which aborts
+once, so the first token reaches the client without waiting for the decode instance.
+Iterating yields the first Delta, then the decode stream's Deltas. `cancel()` (idempotent) cancels the opening or the open call, which aborts
 the request in the decode engine.
 """
 

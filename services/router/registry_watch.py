@@ -1,6 +1,7 @@
-"""The router side of the instance registry (services/registry): keeps the router's pools equal to the live entries.
+"""The router side of the instance registry (services/registry): keeps the router's pools
+equal to the live entries.
 
-Lifecycle: `RegistryWatcher(cfg, pools, metrics).start()` reads the registry once and then
+Lifecycle: `RegistryWatcher(cfg, pools).start()` reads the registry once and then
 every `interval_s`: it SCANs the entries, hands each role's addresses to its pool
 (`BackendPool.sync("registry", ...)`: new instances are health-checked at once and used as
 soon as healthy, vanished ones retire) and copies each entry's load and cache summary onto

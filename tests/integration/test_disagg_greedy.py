@@ -22,7 +22,9 @@ def reference():
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with disagg_stack(tmp_path_factory.mktemp("disagg")) as s:
+    # Round-robin decode: the test wants the repeat on the decode instance that never saw it.
+    with disagg_stack(tmp_path_factory.mktemp("disagg"),
+                      router_args=("--decode-policy", "round_robin")) as s:
         yield s
 
 

@@ -1,0 +1,81 @@
+"""Instant fake engine instances (gRPC DecodeService + PrefillService) for router tests and
+`pdserve bench router`: they answer at once, so what is measured is the router alone.
+
+Lifecycle: `await FakeInstance.start(role)` listens on a free loopback port; `stop()` ends
+it. Decode streams `tokens` token ids (the prompt's last id + 1, + 2, ...) after an accepted
+message; `calls` counts Decode/Prefill calls it served.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.common.rpc import engine_pb2 as pb
+from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
+
+FINGERPRINT = "fake-model"
+BLOCK_SIZE = 16
+
+
+@dataclass
+class _State:
+    role: str
+    tokens: int
+    calls: int = 0
+    prefixes: set = field(default_factory=set)
+
+
+class _Servicer(pb_grpc.DecodeServiceServicer, pb_grpc.PrefillServiceServicer):
+    def __init__(self, state: _State):
+        self.s = state
+
+    async def Health(self, request, context):
+        return pb.HealthResponse(status=pb.HealthResponse.SERVING, model="fake",
+                                 role=self.s.role, max_model_len=4096, vocab_size=50000,
+                                 model_fingerprint=FINGERPRINT, block_size=BLOCK_SIZE)
+
+    async def GetLoad(self, request, context):
+        return pb.LoadResponse(num_total_blocks=1024, num_free_blocks=1024)
+
+    async def Decode(self, request, context):
+        self.s.calls += 1
+        yield pb.DecodeResponse()  # accepted
+        last = request.prompt_token_ids[-1] if request.prompt_token_ids else 0
+        n = len(request.prompt_token_ids)
+        for i in range(1, self.s.tokens + 1):
+            done = i == self.s.tokens
+            yield pb.DecodeResponse(
+                token_ids=[last + i], text="x", num_prompt_tokens=n, num_output_tokens=i,
+                finish_reason=pb.FINISH_REASON_LENGTH if done else pb.FINISH_REASON_UNSPECIFIED)
+
+    async def Prefill(self, request, context):
+        self.s.calls += 1
+        last = request.prompt_token_ids[-1] if request.prompt_token_ids else 0
+        return pb.PrefillResponse(first_token_id=last + 1, text="x",
+                                  num_prompt_tokens=len(request.prompt_token_ids))
+
+
+class FakeInstance:
+    def __init__(self, server: grpc.aio.Server, port: int, state: _State):
+        self.server, self.port, self._state = server, port, state
+        self.address = f"127.0.0.1:{port}"
+
+    @property
+    def calls(self) -> int:
+        return self._state.calls
+
+    @classmethod
+    async def start(cls, role: str = "unified", tokens: int = 1) -> "FakeInstance":
+        state = _State(role, tokens)
+        server = grpc.aio.server()
+        servicer = _Servicer(state)
+        pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+        pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return cls(server, port, state)
+
+    async def stop(self) -> None:
+        await self.server.stop(0)
