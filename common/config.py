@@ -146,3 +146,5 @@ class EngineConfig:
                  "one of auto, torch, triton", self.attention_backend)
         if self.num_threads is not None:
             _require(self.num_threads > 0, "num_threads", "> 0", self.num_threads)
+        _require(self.device == "cpu" or self.device.startswith("cuda"), "device",
+                 "cpu, cuda or cuda:N", self.device)

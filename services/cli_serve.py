@@ -86,6 +86,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="auto: triton on CUDA, torch on the CPU")
 
 
 def _disagg_up_args(up: argparse.ArgumentParser) -> None:
@@ -143,7 +146,8 @@ def engine_argv(args, cpus: Optional[str] = None, threads: Optional[int] = None)
     argv = ["--tiny-seed", str(args.tiny_seed), "--num-threads", str(threads),
             "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--block-size", str(args.block_size)]
+            "--block-size", str(args.block_size), "--device", args.device,
+            "--attention-backend", args.attention_backend]
     if cpus:
         argv += ["--cpus", cpus]
     if args.num_blocks is not None:
@@ -176,7 +180,8 @@ def _run_engine(args) -> int:
         num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         kv_store=args.kv_store, kv_transport=args.kv_transport, kv_lease_s=args.kv_lease,
         kv_load_timeout_s=args.kv_load_timeout, metrics_port=args.metrics_port,
-        otlp_endpoint=args.otlp_endpoint)
+        otlp_endpoint=args.otlp_endpoint, device=args.device,
+        attention_backend=args.attention_backend)
     asyncio.run(run_engine_server(cfg))
     return 0
 

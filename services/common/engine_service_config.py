@@ -33,6 +33,8 @@ class EngineServiceConfig:
     kv_load_timeout_s: float = 10.0  # a slower load is given up and recomputed
     metrics_port: int = 0  # Prometheus /metrics over HTTP on `host`; 0 -> no endpoint
     otlp_endpoint: str = ""  # OTLP/gRPC trace collector; "" -> $OTEL_EXPORTER_OTLP_ENDPOINT
+    device: str = "cpu"  # "cuda" (or "cuda:N") runs the engine on a GPU
+    attention_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA)
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -62,6 +64,8 @@ class EngineServiceConfig:
                                       max_model_len=self.max_model_len),
             num_threads=self.num_threads,
             tiny_model_seed=self.tiny_seed,
+            device=self.device,
+            attention_backend=self.attention_backend,
         )
 
     def kv_settings(self) -> Optional[KVStoreSettings]:

@@ -373,6 +373,10 @@ def test_health_and_dependencies():
     assert {n for n, s in svcs.items() if "profiles" not in s} == {
         "redis", "kvstore", "prefill", "decode", "router"}
     assert svcs["decode-gpu"]["profiles"] == ["gpu"]
+    for gpu in ("prefill-gpu", "decode-gpu"):  # the engine really runs on the device
+        cmd = svcs[gpu]["command"]
+        assert cmd[cmd.index("--device") + 1] == "cuda"
+    assert "--device" not in svcs["decode"]["command"]
     assert svcs["decode-gpu"]["build"]["target"] == "cuda"
     devices = svcs["decode-gpu"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]

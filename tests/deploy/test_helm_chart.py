@@ -301,6 +301,7 @@ def test_gpu_values(chart):
         c = spec["containers"][0]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert c["image"].endswith("-cuda")
+        assert c["args"][c["args"].index("--device") + 1] == "cuda"  # the engine uses it
         assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
     router = deps[f"{FULL}-router"]["spec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in router["resources"].get("limits", {})
@@ -309,6 +310,7 @@ def test_gpu_values(chart):
     for _, c in pdserve_containers(default_docs):
         assert c["image"].endswith("-cpu")
         assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+        assert "--device" not in c.get("args", [])
 
 
 def test_scale_values(chart):
