@@ -75,7 +75,9 @@ def test_put_get_replicas_and_failures(tmp_path, transport):
     async def main(maddr, nodes, master):
         async with KVStoreClient(maddr, transport) as kv:
             assert await kv.put(b"blk0", data, lease_s=0, replica_num=2) is PutStatus.OK
-            assert await kv.put(b"blk1", b"small", lease_s=0) is PutStatus.OK
+            # on both nodes: blk1 must outlive node 0, whose objects the master may drop while
+            # a slow transport (UCX) is still finding out that the node is dead
+            assert await kv.put(b"blk1", b"small", lease_s=0, replica_num=2) is PutStatus.OK
             assert await kv.put(b"blk0", b"again") is PutStatus.EXISTS
             assert await kv.get(b"blk0") == data.tobytes()
             out = np.zeros(4 << 20, dtype=np.uint8)
