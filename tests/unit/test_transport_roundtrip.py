@@ -128,3 +128,15 @@ def test_nobody_listening_is_a_transport_error(kind):
 def test_unknown_kind_is_refused():
     with pytest.raises(ValueError):
         make_transport("carrier-pigeon")
+
+
+def test_auto_picks_tcp_without_a_gpu(monkeypatch):
+    import pdserve.connector.transport as transport
+    from pdserve.connector.transport.tcp import TcpTransport
+
+    monkeypatch.setattr(transport, "gpu_present", lambda: False)
+    assert isinstance(transport.make_transport("auto"), TcpTransport)
+    monkeypatch.setattr(transport, "gpu_present", lambda: True)
+    ok, _ = transport.ucx_available()
+    chosen = transport.make_transport("auto")
+    assert isinstance(chosen, TcpTransport) != ok  # UCX when it works and a GPU is there
