@@ -284,8 +284,10 @@ def test_port_defaults_are_the_cli_defaults():
     assert example["KVSTORE_CAPACITY_MIB"] == str(cli_default("kvstore", "--capacity-mib"))
     assert example["ROUTER_BACKENDS"] == f"decode:{example['DECODE_PORT']}"
     assert example["ROUTER_PREFILL_BACKENDS"] == f"prefill:{example['PREFILL_PORT']}"
-    assert example["KV_TRANSPORT"] == cli_default("decode", "--kv-transport") == \
-        cli_default("kvstore", "--transport")
+    # pinned, not the CLI's "auto": auto resolves per host (UCX only with a GPU), and the
+    # CPU store node and GPU engines must speak the same transport
+    assert example["KV_TRANSPORT"] == "tcp"
+    assert cli_default("decode", "--kv-transport") == cli_default("kvstore", "--transport")
 
 
 @pytest.mark.parametrize("env", [{}, {"ROUTER_PORT": "18000", "DECODE_PORT": "15061",

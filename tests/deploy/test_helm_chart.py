@@ -194,7 +194,8 @@ def test_port_defaults_are_the_cli_defaults(chart):
     assert values["router"]["maxN"] == router.max_n
     assert values["router"]["minPrefillTokens"] == router.min_prefill_tokens
     assert values["router"]["prefillTimeout"] == router.prefill_timeout
-    assert values["kvstore"]["node"]["transport"] == defaults.kv_transport
+    # pinned rather than "auto" (resolved per host): node and GPU engine pods must agree
+    assert values["kvstore"]["node"]["transport"] == "tcp" and defaults.kv_transport == "auto"
     master = parse(["serve", "kvstore-master"])
     assert values["kvstore"]["master"]["namespace"] == master.namespace
     assert values["kvstore"]["master"]["replicaNum"] == master.replica_num
