@@ -60,6 +60,8 @@ def _sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1, help="runs per rate; medians reported")
     p.add_argument("--slo-target", type=float, default=0.9,
                    help="attainment that defines the SLO rate (DistServe: 0.9)")
+    p.add_argument("--warmup", type=int, default=4,
+                   help="requests sent (two at a time, not measured) before the first rate")
 
 
 def _emit(line: dict) -> int:
@@ -84,7 +86,7 @@ def _sweep_config(args, target):
     from pdserve.bench.sweep import SweepConfig
 
     return SweepConfig(ca.serve_config_from(args, target), args.rates, args.repeats,
-                       args.slo_target)
+                       args.slo_target, args.warmup)
 
 
 def _sweep(args) -> int:

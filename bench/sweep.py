@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pdserve.bench.arrivals import ArrivalConfig
 from pdserve.bench.goodput import OVERALL
 from pdserve.bench.plots import plot_attainment
 from pdserve.bench.serve import ServeConfig, build, headline, measure, write_outputs
@@ -25,6 +26,8 @@ class SweepConfig:
     rates: tuple[float, ...]
     repeats: int = 1
     target: float = 0.9
+    warmup: int = 4  # requests before the first rate, not measured: a cold server's first
+    # requests (first forwards, first-touch KV pages) would count against the lowest rate
 
     def __post_init__(self):
         if not self.rates or any(not r > 0 or r == float("inf") for r in self.rates):
@@ -33,6 +36,8 @@ class SweepConfig:
             raise ValueError("a rate sweep needs a rate-driven arrival kind, not concurrency")
         if self.repeats < 1 or not 0 < self.target <= 1:
             raise ValueError("repeats must be >= 1 and target in (0, 1]")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
 
 
 def max_rate_meeting(points: Sequence[tuple[float, float]], target: float) -> Optional[float]:
@@ -61,6 +66,9 @@ def curves_from_points(points: Sequence[dict]) -> dict[str, list[tuple[float, fl
 def run_sweep(cfg: SweepConfig, stem: str = "sweep", label: str = "") -> dict:
     requests = build(cfg.serve)
     out_dir = Path(cfg.serve.out_dir)
+    if cfg.warmup:
+        warm = replace(cfg.serve, arrivals=ArrivalConfig(kind="concurrency", concurrency=2))
+        measure(warm.target, requests[:cfg.warmup], warm)
     points = []
     for rate in cfg.rates:
         run_cfg = replace(cfg.serve, arrivals=replace(cfg.serve.arrivals, rate=rate))

@@ -383,6 +383,8 @@ def test_api_keys_secret_and_servicemonitor(chart):
     router = by_kind(docs, "Deployment")[f"{FULL}-router"]["spec"]["template"]["spec"]
     assert router["volumes"][0]["secret"]["secretName"] == f"{FULL}-api-keys"
     assert router["containers"][0]["volumeMounts"][0]["mountPath"] == "/etc/pdserve/api-keys"
+    args = router["containers"][0]["args"]  # and the router enforces them
+    assert args[args.index("--api-key-file") + 1] == "/etc/pdserve/api-keys/keys"
     assert router["imagePullSecrets"] == [{"name": "regcred"}]
     sm = by_kind(docs, "ServiceMonitor")[f"{FULL}-router"]
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
@@ -397,6 +399,8 @@ def test_api_keys_secret_and_servicemonitor(chart):
     docs, _ = render(chart, {})
     assert not by_kind(docs, "ServiceMonitor") and not by_kind(docs, "HorizontalPodAutoscaler")
     assert f"{FULL}-api-keys" not in by_kind(docs, "Secret")
+    default_router = by_kind(docs, "Deployment")[f"{FULL}-router"]
+    assert "--api-key-file" not in default_router["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_notes_tell_how_to_reach_the_router(chart):
