@@ -63,18 +63,25 @@ def curves_from_points(points: Sequence[dict]) -> dict[str, list[tuple[float, fl
     return out
 
 
+def _requests(cfg: SweepConfig, run: int):
+    """The workload of one run: same shape, its own prompts (seed + run + 1), so a server's
+    prefix cache cannot turn a later rate's prompts into hits from an earlier run."""
+    workload = cfg.serve.workload
+    return build(replace(cfg.serve, workload=replace(workload, seed=workload.seed + run + 1)))
+
+
 def run_sweep(cfg: SweepConfig, stem: str = "sweep", label: str = "") -> dict:
-    requests = build(cfg.serve)
     out_dir = Path(cfg.serve.out_dir)
     if cfg.warmup:
         warm = replace(cfg.serve, arrivals=ArrivalConfig(kind="concurrency", concurrency=2))
-        measure(warm.target, requests[:cfg.warmup], warm)
+        measure(warm.target, _requests(cfg, -1)[:cfg.warmup], warm)
     points = []
-    for rate in cfg.rates:
+    for i, rate in enumerate(cfg.rates):
         run_cfg = replace(cfg.serve, arrivals=replace(cfg.serve.arrivals, rate=rate))
         att: dict[str, list[float]] = {}
         runs = []
         for rep in range(cfg.repeats):
+            requests = _requests(cfg, i * cfg.repeats + rep)
             summary, records = measure(run_cfg.target, requests, run_cfg)
             write_outputs(summary, records, run_cfg, out_dir, f"{stem}_rate{rate:g}_r{rep}")
             runs.append(headline(summary))

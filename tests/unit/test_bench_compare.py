@@ -43,3 +43,12 @@ def test_config_checks():
     with pytest.raises(ValueError):  # a sweep needs rates, not fixed concurrency
         SweepConfig(ServeConfig(TargetConfig(), WorkloadConfig(),
                                 ArrivalConfig("concurrency", concurrency=2)), rates=(1.0,))
+
+
+def test_every_sweep_run_gets_its_own_prompts():
+    from pdserve.bench.sweep import _requests
+
+    cfg = sweep()
+    prompts = [[(r.prompt, r.prompt_ids) for r in _requests(cfg, run)] for run in (-1, 0, 1)]
+    assert prompts[1] == [(r.prompt, r.prompt_ids) for r in _requests(cfg, 0)]  # repeatable
+    assert prompts[0] != prompts[1] != prompts[2]  # no prefix-cache hits across runs
