@@ -29,12 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as exc:  # a config refused its settings
-        parser.error(str(exc))
+    from pdserve.services.cli_serve import run_parser
+
+    return run_parser(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -209,15 +209,22 @@ def _run_up(args) -> int:
     return run_up(args)
 
 
-def main(argv=None) -> int:
-    """Entry point for these subcommands alone (`python -m pdserve.services.cli_serve`)."""
-    parser = argparse.ArgumentParser(prog="pdserve")
-    add_subcommands(parser.add_subparsers(dest="command", required=True))
+def run_parser(parser: argparse.ArgumentParser, argv=None) -> int:
+    """Parse argv and run the chosen command; a config that refuses its settings (ValueError)
+    becomes a usage error."""
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as exc:  # a config refused its settings
+    except ValueError as exc:
         parser.error(str(exc))
+
+
+def main(argv=None) -> int:
+    """Entry point for these subcommands alone (`python -m pdserve.services.cli_serve`), which
+    the launcher uses: it does not import the bench."""
+    parser = argparse.ArgumentParser(prog="pdserve")
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    return run_parser(parser, argv)
 
 
 if __name__ == "__main__":
