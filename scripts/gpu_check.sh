@@ -15,6 +15,12 @@ has_cuda_triton() {
         >/dev/null 2>&1
 }
 
+if ! ls /dev/nvidiactl /dev/nvidia0 >/dev/null 2>&1 && ! command -v nvidia-smi >/dev/null 2>&1
+then  # fail before any install: a CPU-only host would otherwise pull a CUDA torch build
+    echo "gpu-check: FAIL: no NVIDIA GPU on this host (no /dev/nvidia*, no nvidia-smi)"
+    exit 1
+fi
+
 PY=""
 for cand in ${PYTHON:-} python3 "$REPO/.venv/bin/python"; do
     if command -v "$cand" >/dev/null 2>&1 && has_cuda_triton "$cand"; then PY="$cand"; break; fi
