@@ -109,19 +109,25 @@ class Scheduler:
                 n = budget
             if self.kv.allocate_slots(req, n, hits) is None:
                 return
-            self.waiting.popleft()
-            req.num_computed_tokens = n_cached
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = n_cached
+            self._admit(req, n_cached)
             req.transition(RequestStatus.RUNNING)
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n
 
+    def _admit(self, req: Request, n_cached: int) -> None:
+        """Take req off the waiting queue, starting after its n_cached computed tokens."""
+        self.waiting.popleft()
+        if req.num_cached_tokens < 0:  # first admission: its prefix lookup counts once
+            req.num_cached_tokens = n_cached
+            self.kv.record_prefix_lookup(req.num_tokens, n_cached)
+        req.num_computed_tokens = n_cached
+
     def _external_tokens(self, req: Request, n_cached: int) -> int:
         if self.connector is None:
             return 0
         bs = self.kv.block_size
+        self.kv.update_block_hashes(req)  # also without prefix caching: the keys name the blocks
         limit = (req.num_tokens - 1) // bs * bs - n_cached  # leave a token to compute
         ext = min(self.connector.get_num_new_matched_tokens(req, n_cached), limit)
         return max(ext, 0) // bs * bs
@@ -129,10 +135,7 @@ class Scheduler:
     def _start_load(self, req: Request, hits, n_cached: int, ext: int) -> bool:
         if self.kv.allocate_slots(req, ext, hits) is None:
             return False
-        self.waiting.popleft()
-        req.num_computed_tokens = n_cached
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = n_cached
+        self._admit(req, n_cached)
         req.num_external_tokens = ext
         req.transition(RequestStatus.WAITING_FOR_KV)
         self.kv_waiting[req.request_id] = req

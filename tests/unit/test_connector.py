@@ -189,3 +189,21 @@ def test_put_refused_by_the_store_is_a_failure(tiny):
     assert s.blocks_saved == 0 and s.save_failures == len(PROMPTS[0]) // BS
     assert s.failure_reasons["save:no_space"] == len(PROMPTS[0]) // BS
     prefill.close()
+
+
+def test_consumer_loads_without_prefix_caching(tiny, reference):
+    store = InMemoryBlockStore()
+    prefill_then_decode(tiny, store)[1].close()
+
+    def factory(e):
+        c = e.model_config
+        codec = BlockCodec(e.fingerprint, c.num_layers, BS, c.num_kv_heads, c.head_dim)
+        return StoreKVConnector(store, codec, ConnectorConfig(role="consumer"))
+    cfg = EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(
+        num_blocks=64, block_size=BS, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_model_len=256))
+    decode = EngineCore(cfg, tiny, factory)
+    got, _ = run(decode, [("r0", PROMPTS[0], GREEDY, None)])
+    assert got["r0"] == reference["r0"]
+    assert decode.connector.stats.blocks_loaded == len(PROMPTS[0]) // BS
+    decode.close()

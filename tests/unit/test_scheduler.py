@@ -137,3 +137,19 @@ def test_max_num_seqs_and_no_room():
     big = req("big", 12)  # needs 3 blocks, pool has 2: stays waiting, nothing allocated
     sched2.add_request(big)
     assert run_step(sched2).scheduled == [] and big.status == S.WAITING
+
+
+def test_prefix_lookup_counts_once_per_request_not_per_attempt():
+    sched, kv, pool = make(num_blocks=3, budget=64)
+    a = req("a", 8)
+    sched.add_request(a)
+    run_step(sched)  # a holds 2 of 3 blocks
+    b = req("b", 12, first=50)  # needs 3 blocks: waits while a runs
+    sched.add_request(b)
+    for _ in range(3):
+        run_step(sched)
+    assert b.status == S.WAITING
+    assert kv.prefix_queries == 8  # a's lookup only; b's repeated attempts are not counted
+    sched.finish("a", S.FINISHED)
+    run_step(sched)
+    assert b.status == S.RUNNING and kv.prefix_queries == 8 + 12
