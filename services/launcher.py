@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
+
+from pdserve.services.ports import free_port  # noqa: F401  (re-exported for plans and tests)
 
 PARENT_ENV = "PDSERVE_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
@@ -84,12 +85,6 @@ class Child:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def engine_serving(address: str, service: str = "decode") -> bool:

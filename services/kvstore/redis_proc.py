@@ -12,17 +12,13 @@ import shutil
 import socket
 import subprocess
 import tempfile
+
+from pdserve.services.ports import free_port  # noqa: F401  (callers import it from here too)
 import time
 
 
 class RedisUnavailable(RuntimeError):
     """redis-server is not installed or did not come up."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class RedisProcess:

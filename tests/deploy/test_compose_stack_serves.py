@@ -47,11 +47,9 @@ def _compose_module():
 
 
 def _free_port() -> int:
-    import socket
+    from pdserve.services.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def localize(argv: list[str], tmp: Path) -> list[str]:

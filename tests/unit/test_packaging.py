@@ -21,3 +21,4 @@ def test_every_package_is_listed():
     assert found - listed == set(), "add these to [tool.setuptools] packages"
     assert listed - found == set(), "these are listed but do not exist"
     assert all(re.fullmatch(r"pdserve(\.\w+)*", p) for p in listed)
+
