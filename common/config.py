@@ -136,6 +136,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: AttentionBackendName = "auto"
     device: str = "cpu"
+    cpu_gemm: str = "auto"  # auto | onednn | torch: how linears multiply on the CPU (cpu_gemm.py)
     num_threads: Optional[int] = None  # torch threads; None -> leave torch's default
     seed: int = 0
     tiny_model_seed: int = 0  # for model == "tiny"
@@ -144,6 +145,8 @@ class EngineConfig:
         _require(bool(self.model), "model", "a non-empty name or path", self.model)
         _require(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
                  "one of auto, torch, triton", self.attention_backend)
+        _require(self.cpu_gemm in ("auto", "onednn", "torch"), "cpu_gemm",
+                 "one of auto, onednn, torch", self.cpu_gemm)
         if self.num_threads is not None:
             _require(self.num_threads > 0, "num_threads", "> 0", self.num_threads)
         _require(self.device == "cpu" or self.device.startswith("cuda"), "device",

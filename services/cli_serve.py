@@ -89,6 +89,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                    help="auto: triton on CUDA, torch on the CPU")
+    p.add_argument("--cpu-gemm", choices=["auto", "onednn", "torch"], default="auto",
+                   help="CPU linears: oneDNN prepacked (auto when available) or torch's matmul")
 
 
 def _disagg_up_args(up: argparse.ArgumentParser) -> None:
@@ -147,7 +149,7 @@ def engine_argv(args, cpus: Optional[str] = None, threads: Optional[int] = None)
             "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--block-size", str(args.block_size), "--device", args.device,
-            "--attention-backend", args.attention_backend]
+            "--attention-backend", args.attention_backend, "--cpu-gemm", args.cpu_gemm]
     if cpus:
         argv += ["--cpus", cpus]
     if args.num_blocks is not None:
@@ -181,7 +183,7 @@ def _run_engine(args) -> int:
         kv_store=args.kv_store, kv_transport=args.kv_transport, kv_lease_s=args.kv_lease,
         kv_load_timeout_s=args.kv_load_timeout, metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint, device=args.device,
-        attention_backend=args.attention_backend)
+        attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm)
     asyncio.run(run_engine_server(cfg))
     return 0
 

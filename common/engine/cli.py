@@ -14,6 +14,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2, tiny, a GGUF file or HF dir")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--cpu-gemm", choices=["auto", "onednn", "torch"], default="auto",
+                   help="CPU linears: oneDNN prepacked (auto when available) or torch's matmul")
     p.add_argument("--num-threads", type=int, default=2, help="torch threads")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
@@ -27,7 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args) -> EngineConfig:
     return EngineConfig(
         model=args.model, attention_backend=args.attention_backend, device=args.device,
-        num_threads=args.num_threads,
+        cpu_gemm=args.cpu_gemm, num_threads=args.num_threads,
         cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
                           kv_cache_fraction=args.kv_cache_fraction,
                           enable_prefix_caching=not args.no_prefix_caching),

@@ -29,6 +29,7 @@ from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.kv.block_pool import BlockPool
 from pdserve.common.kv.kv_cache_manager import KVCacheManager
 from pdserve.common.kv.memory import plan_kv_blocks
+from pdserve.common.models.cpu_gemm import pack_linears, resolve_cpu_gemm
 from pdserve.common.models.llama import LlamaForCausalLM
 from pdserve.common.models.registry import LoadedModel, load_model
 from pdserve.common.sampling_params import SamplingParams
@@ -52,6 +53,9 @@ class EngineCore:
         self.model = LlamaForCausalLM(cfg, backend)
         self.model.load_weights(loaded.weights.items())
         self.model.to(config.device).eval()
+        self.cpu_gemm = resolve_cpu_gemm(config.cpu_gemm, config.device)
+        if self.cpu_gemm == "onednn":
+            pack_linears(self.model)
         cc = config.cache
         plan = plan_kv_blocks(cfg.kv_bytes_per_token, cc.block_size,
                               budget_bytes=cc.kv_cache_bytes, fraction=cc.kv_cache_fraction,

@@ -7,6 +7,12 @@ take its shard of a full Hugging Face weight (`weight_loader`), so a later tenso
 - RowParallelLinear splits the input features; its outputs are summed across ranks.
 - QKVParallelLinear / MergedColumnParallelLinear fuse several projections into one matmul,
   which also is what makes the CPU path fast (one GEMM instead of three).
+
+On the CPU the engine may `pack_onednn()` every layer after loading (cpu_gemm.py): the weight is
+reordered once for oneDNN and the plain copy dropped; the layers then also fuse their neighbours
+into the GEMM as oneDNN post-ops (SiLU-and-mul for gate/up, the residual add for row-parallel
+outputs). Without packing the same methods run the unfused torch ops, with the same results up
+to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from pdserve.common.models.cpu_gemm import pack_weight, packed_linear, packed_linear_binary
 
 
 class ColumnParallelLinear(nn.Module):
@@ -27,9 +35,16 @@ class ColumnParallelLinear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.zeros(out_features // tp_size), requires_grad=False)
                      if bias else None)
+        self.packed: torch.Tensor | None = None  # oneDNN weight once pack_onednn() ran
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
+
+    def pack_onednn(self) -> None:
+        self.packed = pack_weight(self.weight.detach())
+        self.weight = None  # a tied embedding keeps its own reference to the tensor
 
     def _shard(self, full: torch.Tensor) -> torch.Tensor:
         n = full.shape[0] // self.tp_size
@@ -46,11 +61,35 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                  tp_rank: int = 0, tp_size: int = 1):
         self.out_sizes = list(out_sizes)
         super().__init__(in_features, sum(out_sizes), bias, tp_rank, tp_size)
+        self.packed_shards: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     def weight_loader(self, param, full, shard_id=None):
         start = sum(self.out_sizes[:shard_id]) // self.tp_size
         n = self.out_sizes[shard_id] // self.tp_size
         param.data[start:start + n].copy_(self._shard(full))
+
+    def pack_onednn(self) -> None:
+        """One packed GEMM per projection, so `silu_and_mul` can fuse into them."""
+        sizes = [s // self.tp_size for s in self.out_sizes]
+        ws = self.weight.detach().split(sizes)
+        bs = self.bias.detach().split(sizes) if self.bias is not None else [None] * len(ws)
+        self.packed_shards = [(pack_weight(w), b) for w, b in zip(ws, bs)]
+        self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_shards is not None:
+            return torch.cat([packed_linear(x, w, b) for w, b in self.packed_shards], dim=-1)
+        return super().forward(x)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> silu(gate) * up [T, out / 2] for a [gate, up] pair of projections;
+        packed, SiLU and the product run inside the two GEMMs (no [T, 2 * out] round trip)."""
+        if self.packed_shards is not None:
+            (wg, bg), (wu, bu) = self.packed_shards
+            gate = packed_linear(x, wg, bg, activation="swish")
+            return packed_linear_binary(x, gate, wu, bu, "mul")
+        gate, up = super().forward(x).chunk(2, dim=-1)
+        return nn.functional.silu(gate) * up
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -61,6 +100,9 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
     def weight_loader(self, param, full, shard_id=None):
         super().weight_loader(param, full, {"q": 0, "k": 1, "v": 2}[shard_id])
+
+    def pack_onednn(self) -> None:
+        ColumnParallelLinear.pack_onednn(self)  # q, k and v stay one GEMM
 
 
 class RowParallelLinear(nn.Module):
@@ -74,12 +116,25 @@ class RowParallelLinear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.zeros(out_features), requires_grad=False)
                      if bias else None)
+        self.packed: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in / tp] -> x W^T (summed over ranks) + bias (+ residual) [T, out]."""
+        if self.packed is not None and self.tp_size == 1:
+            if residual is None:
+                return packed_linear(x, self.packed, self.bias)
+            return packed_linear_binary(x, residual, self.packed, self.bias, "add")
+        y = (packed_linear(x, self.packed, None) if self.packed is not None
+             else nn.functional.linear(x, self.weight))
         if self.tp_size > 1:
             dist.all_reduce(y)
-        return y if self.bias is None else y + self.bias
+        if self.bias is not None:
+            y = y + self.bias
+        return y if residual is None else y + residual
+
+    def pack_onednn(self) -> None:
+        self.packed = pack_weight(self.weight.detach())
+        self.weight = None
 
     def weight_loader(self, param, full, shard_id=None):
         if param.dim() == 1:  # bias is not sharded

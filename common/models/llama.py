@@ -40,7 +40,8 @@ class Attention(nn.Module):
         self.backend, self.rope = backend, rope
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata):
+    def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata, residual):
+        """x [T, hidden] (normed) -> residual + attention output [T, hidden]."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (h + 2 kvh) d]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -51,7 +52,7 @@ class Attention(nn.Module):
         q, k = self.rope(cos_sin, q, k)
         self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, h, d]
-        return self.o_proj(out.reshape(t, q_size))
+        return self.o_proj(out.reshape(t, q_size), residual)
 
 
 class MLP(nn.Module):
@@ -61,9 +62,9 @@ class MLP(nn.Module):
                                                        [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+    def forward(self, x, residual):
+        """x [T, hidden] (normed) -> residual + MLP output [T, hidden]."""
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -75,8 +76,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, cos_sin, x, kv_cache, meta):
-        x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta, residual=x)
+        return self.mlp(self.post_attention_layernorm(h), residual=h)
 
 
 # HF parameter name fragment -> (our fused parameter, shard id)

@@ -35,6 +35,7 @@ class EngineServiceConfig:
     otlp_endpoint: str = ""  # OTLP/gRPC trace collector; "" -> $OTEL_EXPORTER_OTLP_ENDPOINT
     device: str = "cpu"  # "cuda" (or "cuda:N") runs the engine on a GPU
     attention_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA)
+    cpu_gemm: str = "auto"  # auto | onednn | torch (auto: oneDNN prepacked on a CPU that has it)
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -66,6 +67,7 @@ class EngineServiceConfig:
             tiny_model_seed=self.tiny_seed,
             device=self.device,
             attention_backend=self.attention_backend,
+            cpu_gemm=self.cpu_gemm,
         )
 
     def kv_settings(self) -> Optional[KVStoreSettings]:
