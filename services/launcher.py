@@ -5,8 +5,11 @@ Lifecycle: make the log folder -> start the services of the mode's plan in order
 decode, router), each after the previous one is ready -> print the endpoints -> wait for
 SIGINT/SIGTERM or any child exiting -> stop in reverse order (router first, so no new work
 reaches the engines): SIGTERM, `stop_timeout_s` to exit, then SIGKILL. The kernel sends every
-child SIGTERM when the launcher dies (PR_SET_PDEATHSIG, set before exec, and again by our own
-Python services in `die_with_parent`), so even a killed launcher leaves no orphans.
+child SIGTERM when the launcher dies (PR_SET_PDEATHSIG: our Python services set it themselves in
+`die_with_parent`; other programs start through the `exec_tied` trampoline, which sets it and
+execs them), so even a killed launcher leaves no orphans. Children are started without a
+`preexec_fn`, so subprocess can vfork: fork() in a process with gRPC / OpenMP threads runs their
+atfork handlers, which can deadlock the parent or break the child (see exec_tied.py).
 """
 
 from __future__ import annotations
@@ -41,15 +44,6 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-# Resolved once here: the child between fork and exec must not dlopen (locks held by threads).
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-
-
-def _die_with_launcher() -> None:
-    """preexec_fn: between fork and exec, so it holds for programs that are not ours (redis)."""
-    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class Child:
     """One service process; its stdout and stderr go to `<log_dir>/<name>.log`."""
 
@@ -61,10 +55,12 @@ class Child:
 
     def start(self) -> None:
         env = dict(os.environ, **{PARENT_ENV: str(os.getpid())})
+        argv = self.argv
+        if argv[0] != sys.executable:  # not one of our services: tie it to us by trampoline
+            argv = [sys.executable, "-m", "pdserve.services.exec_tied", *argv]
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env,
-                                         preexec_fn=_die_with_launcher if _PRCTL else None)
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env)
 
     @property
     def alive(self) -> bool:

@@ -76,5 +76,6 @@ def test_ttft_slo_rejects_at_once_on_http_and_grpc():
                     assert dict(err.trailing_metadata())["retry-after"] == "2"
             # a reachable target is admitted (and its first token teaches the rate)
             assert (await post(r, {"x-ttft-slo-ms": "5000"}, prompt="abcde")).status_code == 200
-            assert r.state.gate.admission._rate.tokens_per_s > 10.0
+            # (a sample, not its size: on a loaded machine 5 tokens may well take > 0.5 s)
+            assert r.state.gate.admission._rate.tokens_per_s != 10.0
     asyncio.run(asyncio.wait_for(main(), 30))
