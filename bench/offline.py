@@ -54,18 +54,19 @@ def matmul_params(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def measure_rate(cfg: ModelConfig, m: int, with_head: bool, gemm: str = "torch",
-                 repeats: int = 5) -> float:
-    """fp32 matmul FLOP/s over one forward's worth of the model's matmuls at M = m rows, with
-    torch's `linear` (MKL) or oneDNN's prepacked GEMM (what the engine uses; cpu_gemm.py)."""
+                 repeats: int = 3) -> float:
+    """fp32 matmul FLOP/s over one forward's worth of the model's matmuls at M = m rows: every
+    layer's own weights (so they stream from memory as in the real forward; one layer's would
+    sit in the L3 cache and flatter the rate), with torch's `linear` (MKL) or oneDNN's
+    prepacked GEMM (what the engine uses; cpu_gemm.py)."""
     from pdserve.common.models.cpu_gemm import pack_weight, packed_linear
     layer, head = matmul_shapes(cfg)
-    shapes = layer + ([head] if with_head else [])
-    ws = [torch.randn(o, i) for o, i in shapes]
+    shapes = layer * cfg.num_layers + ([head] if with_head else [])
     if gemm == "onednn":
-        ws = [(pack_weight(w), w.shape[1]) for w in ws]
+        ws = [(pack_weight(torch.randn(o, i)), i) for o, i in shapes]
         mm = lambda x, w: packed_linear(x, w[0], None)  # noqa: E731
     else:
-        ws = [(w, w.shape[1]) for w in ws]
+        ws = [(torch.randn(o, i), i) for o, i in shapes]
         mm = lambda x, w: torch.nn.functional.linear(x, w[0])  # noqa: E731
     xs = {i: torch.randn(m, i) for _, i in shapes}
     flops = sum(2 * m * o * i for o, i in shapes)
