@@ -87,6 +87,18 @@ class TorchAttentionBackend(AttentionBackend):
         flat[0].index_copy_(0, slot_mapping, key)
         flat[1].index_copy_(0, slot_mapping, value)
 
+    def fused_decode(self, qkv, cos, sin, kv_cache, meta, scale, num_heads):
+        """The native fused step when every token is a decode and the kernels apply."""
+        if meta.num_decodes != meta.num_tokens or meta.num_tokens == 0:
+            return None
+        native = _native_decode_module(qkv, kv_cache, meta)
+        if native is None or meta.slot_mapping.dtype != torch.int64:
+            return None
+        t = meta.num_tokens
+        return native.decode_step(qkv, cos.reshape(t, -1), sin.reshape(t, -1), kv_cache,
+                                  meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                  float(scale), num_heads)
+
     def forward(self, query, key, value, kv_cache, meta, scale):
         out = torch.empty_like(query)
         n_dec = meta.num_decodes

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from pdserve.common.attention.backend import get_attention_backend
+from pdserve.common.attention.cpu_native import load_cpu_kernels
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.kv_connector import KVConnector
 from pdserve.common.engine.model_runner import ModelRunner
@@ -56,6 +57,9 @@ class EngineCore:
         self.cpu_gemm = resolve_cpu_gemm(config.cpu_gemm, config.device)
         if self.cpu_gemm == "onednn":
             pack_linears(self.model)
+        native = load_cpu_kernels() if config.device == "cpu" else None
+        if native is not None:
+            self.model.use_cpu_kernels(native)
         cc = config.cache
         plan = plan_kv_blocks(cfg.kv_bytes_per_token, cc.block_size,
                               budget_bytes=cc.kv_cache_bytes, fraction=cc.kv_cache_fraction,

@@ -24,8 +24,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.native = None  # the native CPU kernels' module, once use_cpu_kernels() set it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dim() == 2:  # [T, hidden] fp32 on the CPU
+            return self.native.rms_norm(x, self.weight, self.eps)
         return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -45,6 +48,10 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (h + 2 kvh) d]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        fused = self.backend.fused_decode(qkv, *cos_sin, kv_cache, meta, self.scale,
+                                          self.num_heads)
+        if fused is not None:  # decodes only: rotary, KV write and attention in one call
+            return self.o_proj(fused.view(t, q_size), residual)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -115,6 +122,13 @@ class LlamaForCausalLM(nn.Module):
             if layer_done is not None:
                 layer_done(i, kv_cache)
         return self.norm(x)
+
+    def use_cpu_kernels(self, native) -> None:
+        """Run the RMSNorms through the native CPU kernels (common/attention/cpu_native.py):
+        one pass per row instead of torch's five ops. For an fp32 model on the CPU only."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.native = native
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] (fp32)."""
