@@ -26,6 +26,11 @@ class BlockStore(Protocol):
 
     async def get_into(self, key: bytes, out: memoryview) -> Optional[int]: ...
 
+    # Optional (the connector uses it when present): one replica lookup for a whole load.
+    # async def get_many_into(self, keys, outs, max_inflight) -> list[int | None | Exception]
+    #     per key: its size, None on a miss, or the exception its read raised; raises when
+    #     the store is unreachable.
+
     async def prefix_lookup(self, keys: list[bytes]) -> int: ...
 
 
@@ -38,6 +43,7 @@ class InMemoryBlockStore:
         self.delay_s = 0.0
         self.puts = 0
         self.gets = 0
+        self.batch_gets = 0
 
     def _check(self):
         if self.down:
@@ -49,6 +55,12 @@ class InMemoryBlockStore:
         self.puts += 1
         self.objects.setdefault(key, bytes(data))
         return "ok"
+
+    async def get_many_into(self, keys, outs, max_inflight=8):
+        self._check()
+        self.batch_gets += 1
+        return list(await asyncio.gather(*(self.get_into(k, o) for k, o in zip(keys, outs)),
+                                         return_exceptions=True))
 
     async def get_into(self, key, out):
         self._check()

@@ -267,12 +267,16 @@ class StoreKVConnector(KVConnector):
     async def _load(self, rid: str, keys: list[bytes], block_ids: list[int]) -> None:
         t0 = time.perf_counter()
         bufs = [bytearray(self.codec.nbytes) for _ in keys]
+        batch = getattr(self.store, "get_many_into", None)
+        if batch is not None:  # one replica lookup for the whole prompt
+            fetch = batch(keys, [memoryview(b) for b in bufs], self.config.max_inflight)
+        else:
+            fetch = asyncio.gather(*(self._fetch(k, b) for k, b in zip(keys, bufs)),
+                                   return_exceptions=True)
         try:
-            results = await asyncio.wait_for(
-                asyncio.gather(*(self._fetch(k, b) for k, b in zip(keys, bufs)),
-                               return_exceptions=True), self.config.load_timeout_s)
-        except asyncio.TimeoutError:
-            results = [asyncio.TimeoutError()] * len(keys)
+            results = await asyncio.wait_for(fetch, self.config.load_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - timeout or an unreachable store: recompute
+            results = [exc] * len(keys)
         loaded = 0
         for key, block_id, buf, got in zip(keys, block_ids, bufs, results):
             if not self._install(key, block_id, buf, got):

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvstore.proto\x12\npdserve.v1\";\n\x07Replica\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"R\n\x0fPutStartRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x13\n\x0breplica_num\x18\x04 \x01(\r\"e\n\x10PutStartResponse\x12*\n\x06status\x18\x01 \x01(\x0e\x32\x1a.pdserve.v1.PutStartStatus\x12%\n\x08replicas\x18\x02 \x03(\x0b\x32\x13.pdserve.v1.Replica\"\x1c\n\rPutEndRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\"\x1c\n\x0ePutEndResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\"\x1f\n\x10PutRevokeRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\"\x1f\n\x11PutRevokeResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\"$\n\x15GetReplicaListRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\"\\\n\x16GetReplicaListResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12%\n\x08replicas\x18\x03 \x03(\x0b\x32\x13.pdserve.v1.Replica\"\"\n\x12\x42\x61tchExistsRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"%\n\x13\x42\x61tchExistsResponse\x12\x0e\n\x06\x65xists\x18\x01 \x03(\x08\"#\n\x13PrefixLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"%\n\x14PrefixLookupResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\",\n\rRemoveRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"!\n\x0eRemoveResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"^\n\x13RegisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x04\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"4\n\x14RegisterNodeResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"8\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"M\n\tNodeStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x04\x12\x0c\n\x04used\x18\x04 \x01(\x04\"Y\n\rStatsResponse\x12\x0f\n\x07objects\x18\x01 \x01(\x04\x12\x11\n\tevictions\x18\x02 \x01(\x04\x12$\n\x05nodes\x18\x03 \x03(\x0b\x32\x15.pdserve.v1.NodeStats*\x92\x01\n\x0ePutStartStatus\x12 \n\x1cPUT_START_STATUS_UNSPECIFIED\x10\x00\x12\x10\n\x0cPUT_START_OK\x10\x01\x12\x14\n\x10PUT_START_EXISTS\x10\x02\x12\x16\n\x12PUT_START_NO_SPACE\x10\x03\x12\x1e\n\x1aPUT_START_NOT_ENOUGH_NODES\x10\x04\x32\xf9\x05\n\rKVStoreMaster\x12\x45\n\x08PutStart\x12\x1b.pdserve.v1.PutStartRequest\x1a\x1c.pdserve.v1.PutStartResponse\x12?\n\x06PutEnd\x12\x19.pdserve.v1.PutEndRequest\x1a\x1a.pdserve.v1.PutEndResponse\x12H\n\tPutRevoke\x12\x1c.pdserve.v1.PutRevokeRequest\x1a\x1d.pdserve.v1.PutRevokeResponse\x12W\n\x0eGetReplicaList\x12!.pdserve.v1.GetReplicaListRequest\x1a\".pdserve.v1.GetReplicaListResponse\x12N\n\x0b\x42\x61tchExists\x12\x1e.pdserve.v1.BatchExistsRequest\x1a\x1f.pdserve.v1.BatchExistsResponse\x12Q\n\x0cPrefixLookup\x12\x1f.pdserve.v1.PrefixLookupRequest\x1a .pdserve.v1.PrefixLookupResponse\x12?\n\x06Remove\x12\x19.pdserve.v1.RemoveRequest\x1a\x1a.pdserve.v1.RemoveResponse\x12Q\n\x0cRegisterNode\x12\x1f.pdserve.v1.RegisterNodeRequest\x1a .pdserve.v1.RegisterNodeResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvstore.proto\x12\npdserve.v1\";\n\x07Replica\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"R\n\x0fPutStartRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x13\n\x0breplica_num\x18\x04 \x01(\r\"e\n\x10PutStartResponse\x12*\n\x06status\x18\x01 \x01(\x0e\x32\x1a.pdserve.v1.PutStartStatus\x12%\n\x08replicas\x18\x02 \x03(\x0b\x32\x13.pdserve.v1.Replica\"\x1c\n\rPutEndRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\"\x1c\n\x0ePutEndResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\"\x1f\n\x10PutRevokeRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\"\x1f\n\x11PutRevokeResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\"$\n\x15GetReplicaListRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\"\\\n\x16GetReplicaListResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12%\n\x08replicas\x18\x03 \x03(\x0b\x32\x13.pdserve.v1.Replica\"*\n\x1a\x42\x61tchGetReplicaListRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"P\n\x1b\x42\x61tchGetReplicaListResponse\x12\x31\n\x05lists\x18\x01 \x03(\x0b\x32\".pdserve.v1.GetReplicaListResponse\"\"\n\x12\x42\x61tchExistsRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"%\n\x13\x42\x61tchExistsResponse\x12\x0e\n\x06\x65xists\x18\x01 \x03(\x08\"#\n\x13PrefixLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"%\n\x14PrefixLookupResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\",\n\rRemoveRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"!\n\x0eRemoveResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"^\n\x13RegisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x04\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"4\n\x14RegisterNodeResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"8\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"M\n\tNodeStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x04\x12\x0c\n\x04used\x18\x04 \x01(\x04\"Y\n\rStatsResponse\x12\x0f\n\x07objects\x18\x01 \x01(\x04\x12\x11\n\tevictions\x18\x02 \x01(\x04\x12$\n\x05nodes\x18\x03 \x03(\x0b\x32\x15.pdserve.v1.NodeStats*\x92\x01\n\x0ePutStartStatus\x12 \n\x1cPUT_START_STATUS_UNSPECIFIED\x10\x00\x12\x10\n\x0cPUT_START_OK\x10\x01\x12\x14\n\x10PUT_START_EXISTS\x10\x02\x12\x16\n\x12PUT_START_NO_SPACE\x10\x03\x12\x1e\n\x1aPUT_START_NOT_ENOUGH_NODES\x10\x04\x32\xe1\x06\n\rKVStoreMaster\x12\x45\n\x08PutStart\x12\x1b.pdserve.v1.PutStartRequest\x1a\x1c.pdserve.v1.PutStartResponse\x12?\n\x06PutEnd\x12\x19.pdserve.v1.PutEndRequest\x1a\x1a.pdserve.v1.PutEndResponse\x12H\n\tPutRevoke\x12\x1c.pdserve.v1.PutRevokeRequest\x1a\x1d.pdserve.v1.PutRevokeResponse\x12W\n\x0eGetReplicaList\x12!.pdserve.v1.GetReplicaListRequest\x1a\".pdserve.v1.GetReplicaListResponse\x12\x66\n\x13\x42\x61tchGetReplicaList\x12&.pdserve.v1.BatchGetReplicaListRequest\x1a\'.pdserve.v1.BatchGetReplicaListResponse\x12N\n\x0b\x42\x61tchExists\x12\x1e.pdserve.v1.BatchExistsRequest\x1a\x1f.pdserve.v1.BatchExistsResponse\x12Q\n\x0cPrefixLookup\x12\x1f.pdserve.v1.PrefixLookupRequest\x1a .pdserve.v1.PrefixLookupResponse\x12?\n\x06Remove\x12\x19.pdserve.v1.RemoveRequest\x1a\x1a.pdserve.v1.RemoveResponse\x12Q\n\x0cRegisterNode\x12\x1f.pdserve.v1.RegisterNodeRequest\x1a .pdserve.v1.RegisterNodeResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PUTSTARTSTATUS']._serialized_start=1198
-  _globals['_PUTSTARTSTATUS']._serialized_end=1344
+  _globals['_PUTSTARTSTATUS']._serialized_start=1324
+  _globals['_PUTSTARTSTATUS']._serialized_end=1470
   _globals['_REPLICA']._serialized_start=29
   _globals['_REPLICA']._serialized_end=88
   _globals['_PUTSTARTREQUEST']._serialized_start=90
@@ -51,32 +51,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETREPLICALISTREQUEST']._serialized_end=439
   _globals['_GETREPLICALISTRESPONSE']._serialized_start=441
   _globals['_GETREPLICALISTRESPONSE']._serialized_end=533
-  _globals['_BATCHEXISTSREQUEST']._serialized_start=535
-  _globals['_BATCHEXISTSREQUEST']._serialized_end=569
-  _globals['_BATCHEXISTSRESPONSE']._serialized_start=571
-  _globals['_BATCHEXISTSRESPONSE']._serialized_end=608
-  _globals['_PREFIXLOOKUPREQUEST']._serialized_start=610
-  _globals['_PREFIXLOOKUPREQUEST']._serialized_end=645
-  _globals['_PREFIXLOOKUPRESPONSE']._serialized_start=647
-  _globals['_PREFIXLOOKUPRESPONSE']._serialized_end=684
-  _globals['_REMOVEREQUEST']._serialized_start=686
-  _globals['_REMOVEREQUEST']._serialized_end=730
-  _globals['_REMOVERESPONSE']._serialized_start=732
-  _globals['_REMOVERESPONSE']._serialized_end=765
-  _globals['_REGISTERNODEREQUEST']._serialized_start=767
-  _globals['_REGISTERNODEREQUEST']._serialized_end=861
-  _globals['_REGISTERNODERESPONSE']._serialized_start=863
-  _globals['_REGISTERNODERESPONSE']._serialized_end=915
-  _globals['_HEARTBEATREQUEST']._serialized_start=917
-  _globals['_HEARTBEATREQUEST']._serialized_end=973
-  _globals['_HEARTBEATRESPONSE']._serialized_start=975
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1009
-  _globals['_STATSREQUEST']._serialized_start=1011
-  _globals['_STATSREQUEST']._serialized_end=1025
-  _globals['_NODESTATS']._serialized_start=1027
-  _globals['_NODESTATS']._serialized_end=1104
-  _globals['_STATSRESPONSE']._serialized_start=1106
-  _globals['_STATSRESPONSE']._serialized_end=1195
-  _globals['_KVSTOREMASTER']._serialized_start=1347
-  _globals['_KVSTOREMASTER']._serialized_end=2108
+  _globals['_BATCHGETREPLICALISTREQUEST']._serialized_start=535
+  _globals['_BATCHGETREPLICALISTREQUEST']._serialized_end=577
+  _globals['_BATCHGETREPLICALISTRESPONSE']._serialized_start=579
+  _globals['_BATCHGETREPLICALISTRESPONSE']._serialized_end=659
+  _globals['_BATCHEXISTSREQUEST']._serialized_start=661
+  _globals['_BATCHEXISTSREQUEST']._serialized_end=695
+  _globals['_BATCHEXISTSRESPONSE']._serialized_start=697
+  _globals['_BATCHEXISTSRESPONSE']._serialized_end=734
+  _globals['_PREFIXLOOKUPREQUEST']._serialized_start=736
+  _globals['_PREFIXLOOKUPREQUEST']._serialized_end=771
+  _globals['_PREFIXLOOKUPRESPONSE']._serialized_start=773
+  _globals['_PREFIXLOOKUPRESPONSE']._serialized_end=810
+  _globals['_REMOVEREQUEST']._serialized_start=812
+  _globals['_REMOVEREQUEST']._serialized_end=856
+  _globals['_REMOVERESPONSE']._serialized_start=858
+  _globals['_REMOVERESPONSE']._serialized_end=891
+  _globals['_REGISTERNODEREQUEST']._serialized_start=893
+  _globals['_REGISTERNODEREQUEST']._serialized_end=987
+  _globals['_REGISTERNODERESPONSE']._serialized_start=989
+  _globals['_REGISTERNODERESPONSE']._serialized_end=1041
+  _globals['_HEARTBEATREQUEST']._serialized_start=1043
+  _globals['_HEARTBEATREQUEST']._serialized_end=1099
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1101
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1135
+  _globals['_STATSREQUEST']._serialized_start=1137
+  _globals['_STATSREQUEST']._serialized_end=1151
+  _globals['_NODESTATS']._serialized_start=1153
+  _globals['_NODESTATS']._serialized_end=1230
+  _globals['_STATSRESPONSE']._serialized_start=1232
+  _globals['_STATSRESPONSE']._serialized_end=1321
+  _globals['_KVSTOREMASTER']._serialized_start=1473
+  _globals['_KVSTOREMASTER']._serialized_end=2338
 # @@protoc_insertion_point(module_scope)

@@ -90,6 +90,18 @@ class GetReplicaListResponse(_message.Message):
     replicas: _containers.RepeatedCompositeFieldContainer[Replica]
     def __init__(self, found: _Optional[bool] = ..., size: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
+class BatchGetReplicaListRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class BatchGetReplicaListResponse(_message.Message):
+    __slots__ = ("lists",)
+    LISTS_FIELD_NUMBER: _ClassVar[int]
+    lists: _containers.RepeatedCompositeFieldContainer[GetReplicaListResponse]
+    def __init__(self, lists: _Optional[_Iterable[_Union[GetReplicaListResponse, _Mapping]]] = ...) -> None: ...
+
 class BatchExistsRequest(_message.Message):
     __slots__ = ("keys",)
     KEYS_FIELD_NUMBER: _ClassVar[int]

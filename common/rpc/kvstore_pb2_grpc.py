@@ -54,6 +54,11 @@ class KVStoreMasterStub:
                 request_serializer=kvstore__pb2.GetReplicaListRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.GetReplicaListResponse.FromString,
                 _registered_method=True)
+        self.BatchGetReplicaList = channel.unary_unary(
+                '/pdserve.v1.KVStoreMaster/BatchGetReplicaList',
+                request_serializer=kvstore__pb2.BatchGetReplicaListRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.BatchGetReplicaListResponse.FromString,
+                _registered_method=True)
         self.BatchExists = channel.unary_unary(
                 '/pdserve.v1.KVStoreMaster/BatchExists',
                 request_serializer=kvstore__pb2.BatchExistsRequest.SerializeToString,
@@ -108,6 +113,12 @@ class KVStoreMasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetReplicaList(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BatchGetReplicaList(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -171,6 +182,11 @@ def add_KVStoreMasterServicer_to_server(servicer, server):
                     servicer.GetReplicaList,
                     request_deserializer=kvstore__pb2.GetReplicaListRequest.FromString,
                     response_serializer=kvstore__pb2.GetReplicaListResponse.SerializeToString,
+            ),
+            'BatchGetReplicaList': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchGetReplicaList,
+                    request_deserializer=kvstore__pb2.BatchGetReplicaListRequest.FromString,
+                    response_serializer=kvstore__pb2.BatchGetReplicaListResponse.SerializeToString,
             ),
             'BatchExists': grpc.unary_unary_rpc_method_handler(
                     servicer.BatchExists,
@@ -311,6 +327,33 @@ class KVStoreMaster:
             '/pdserve.v1.KVStoreMaster/GetReplicaList',
             kvstore__pb2.GetReplicaListRequest.SerializeToString,
             kvstore__pb2.GetReplicaListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchGetReplicaList(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVStoreMaster/BatchGetReplicaList',
+            kvstore__pb2.BatchGetReplicaListRequest.SerializeToString,
+            kvstore__pb2.BatchGetReplicaListResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -105,6 +105,30 @@ class KVStoreClient:
         return convert.replica_list_from_pb(
             await self._call("GetReplicaList", pb.GetReplicaListRequest(key=key)))
 
+    async def replicas_many(self, keys: list[bytes]) -> list[ReplicaList | None]:
+        resp = await self._call("BatchGetReplicaList", pb.BatchGetReplicaListRequest(keys=keys))
+        return [convert.replica_list_from_pb(m) for m in resp.lists]
+
+    async def get_many_into(self, keys: list[bytes], outs: list[Buffer],
+                            max_inflight: int = 8) -> list:
+        """Read several objects straight into their buffers: one replica lookup for all of
+        them, then up to `max_inflight` reads at a time. Per key, in order: its size, None on a
+        miss, or the exception its read raised. An unreachable master raises."""
+        found = await self.replicas_many(keys)
+        sem = asyncio.Semaphore(max_inflight)
+
+        async def one(rl: ReplicaList | None, out: Buffer) -> int | None:
+            if rl is None:
+                return None
+            view = as_bytes_view(out)
+            if len(view) < rl.size:
+                raise ValueError(f"out holds {len(view)} bytes, the object has {rl.size}")
+            async with sem:
+                await self._read(rl, view[:rl.size])
+            return rl.size
+        return await asyncio.gather(*(one(rl, o) for rl, o in zip(found, outs)),
+                                    return_exceptions=True)
+
     async def get(self, key: bytes) -> bytes | None:
         found = await self.replicas(key)
         if found is None:

@@ -188,17 +188,29 @@ class MasterCore:
 
     async def get_replicas(self, key: bytes) -> ReplicaList | None:
         """Where a complete object lives; renews its lease so the read can finish."""
+        return (await self.get_replicas_many([key]))[0]
+
+    async def get_replicas_many(self, keys: list[bytes]) -> list[ReplicaList | None]:
+        """`get_replicas` for each key (None for a miss or an object still being written);
+        the renewed leases go to the metadata store in one write."""
         async with self._lock:
-            meta = self._objects.get(key)
-            if meta is None or meta.state is not ObjectState.COMPLETE:
-                return None
             now = self._clock()
-            meta = dataclasses.replace(
-                meta, last_access=now,
-                lease_until=max(meta.lease_until, now + self._cfg.read_lease_s))
-            self._objects[key] = meta
-            await self._meta.save_objects([meta])
-            return ReplicaList(meta.size, meta.replicas)
+            found: list[ReplicaList | None] = []
+            renewed = []
+            for key in keys:
+                meta = self._objects.get(key)
+                if meta is None or meta.state is not ObjectState.COMPLETE:
+                    found.append(None)
+                    continue
+                meta = dataclasses.replace(
+                    meta, last_access=now,
+                    lease_until=max(meta.lease_until, now + self._cfg.read_lease_s))
+                self._objects[key] = meta
+                renewed.append(meta)
+                found.append(ReplicaList(meta.size, meta.replicas))
+            if renewed:
+                await self._meta.save_objects(renewed)
+            return found
 
     def _complete(self, key: bytes) -> bool:
         meta = self._objects.get(key)

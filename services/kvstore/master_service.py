@@ -21,6 +21,8 @@ from pdserve.services.kvstore.config import MasterConfig
 from pdserve.services.kvstore.master import MasterCore
 from pdserve.services.kvstore.metadata import RedisMetaStore
 
+MAX_BATCH_KEYS = 8192  # per BatchGetReplicaList: a 131k-token prompt at 16-token blocks
+
 log = logging.getLogger(__name__)
 
 
@@ -44,6 +46,15 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
 
     async def GetReplicaList(self, request, context):
         return convert.replica_list_to_pb(await self._core.get_replicas(request.key))
+
+    async def BatchGetReplicaList(self, request, context):
+        if len(request.keys) > MAX_BATCH_KEYS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"at most {MAX_BATCH_KEYS} keys per lookup, got "
+                                f"{len(request.keys)}")
+        found = await self._core.get_replicas_many(list(request.keys))
+        return pb.BatchGetReplicaListResponse(
+            lists=[convert.replica_list_to_pb(rl) for rl in found])
 
     async def BatchExists(self, request, context):
         return pb.BatchExistsResponse(exists=self._core.batch_exists(list(request.keys)))

@@ -83,6 +83,12 @@ def test_put_get_replicas_and_failures(tmp_path, transport):
             out = np.zeros(4 << 20, dtype=np.uint8)
             assert await kv.get_into(b"blk1", out) == 5 and bytes(out[:5]) == b"small"
             assert await kv.get(b"nope") is None
+            outs = [np.zeros(4 << 20, dtype=np.uint8) for _ in range(3)]
+            sizes = await kv.get_many_into([b"blk1", b"nope", b"blk0"], outs)
+            assert sizes == [5, None, data.size]
+            assert bytes(outs[0][:5]) == b"small" and np.array_equal(outs[2][:data.size], data)
+            with pytest.raises(ValueError, match="8192"):  # INVALID_ARGUMENT
+                await kv.replicas_many([b"k"] * 8193)
             assert await kv.batch_exists([b"blk1", b"nope", b"blk0"]) == [True, False, True]
             assert await kv.prefix_lookup([b"blk0", b"blk1", b"nope", b"blk0"]) == 2
             assert sorted(n.node_id for n in (await kv.stats()).nodes) == ["n0", "n1"]

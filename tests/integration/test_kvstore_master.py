@@ -92,6 +92,26 @@ def test_put_is_invisible_until_put_end_and_revoke_frees(env):
     env.run(main)
 
 
+def test_batch_replica_lookup_answers_in_order_and_renews_leases(env):
+    make = env.make
+
+    async def main():
+        m = await make()
+        await _nodes(m, 1)
+        for key in (b"a", b"b"):
+            assert (await m.put_start(key, 100, lease_s=0)).status is PutStatus.OK
+            assert await m.put_end(key)
+        assert (await m.put_start(b"w", 100, lease_s=0)).status is PutStatus.OK  # unfinished
+        got = await m.get_replicas_many([b"b", b"nope", b"w", b"a", b"b"])
+        assert [g is not None for g in got] == [True, False, False, True, True]
+        assert got[0] == await m.get_replicas(b"b") and got[3].size == 100
+        # the read leases are renewed, so the looked-up objects cannot be removed now
+        assert await m.remove([b"a", b"b"]) == 0
+        assert await m.get_replicas_many([]) == []
+
+    env.run(main)
+
+
 def test_replicas_go_to_distinct_nodes(env):
     make = env.make
 

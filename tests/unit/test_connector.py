@@ -95,6 +95,7 @@ def test_store_hit_skips_prefill_on_another_instance(tiny, reference):
     got, final = run(other, [(f"r{i}", p, GREEDY, None) for i, p in enumerate(PROMPTS)])
     assert got == reference
     assert other.connector.stats.blocks_loaded > 0 and store.gets > 0
+    assert store.batch_gets > 0  # one lookup per load, not one per block
     other.close()
 
 
