@@ -160,7 +160,7 @@ class StoreKVConnector(KVConnector):
 
     def _start_backfill(self, rid: str, keys: list[bytes], block_ids: list[int]) -> None:
         with self._lock:
-            self._saving[rid] = self._saving.get(rid, 0) + 1
+            self._save_started(rid)
         self.io.submit(self._backfill(rid, list(keys), list(block_ids)))
 
     def _staging_view(self, buf: bytearray, n: int) -> torch.Tensor:
@@ -184,8 +184,15 @@ class StoreKVConnector(KVConnector):
         self._step = None
         with self._lock:
             for rid, _, _ in staged:
-                self._saving[rid] = self._saving.get(rid, 0) + 1
+                self._save_started(rid)
         self.io.submit(self._save(staged, buf))
+
+    def _save_started(self, rid: str) -> None:
+        """(Under _lock.) One more save in flight for rid. A 'saved' already reported by an
+        earlier batch (a backfill that finished during this step's forward) is withdrawn: rid
+        is saved only when its last batch is."""
+        self._saving[rid] = self._saving.get(rid, 0) + 1
+        self._saved.discard(rid)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         with self._lock:

@@ -208,3 +208,20 @@ def test_consumer_loads_without_prefix_caching(tiny, reference):
     assert got["r0"] == reference["r0"]
     assert decode.connector.stats.blocks_loaded == len(PROMPTS[0]) // BS
     decode.close()
+
+
+def test_answer_waits_for_the_last_save_not_an_earlier_backfill(tiny):
+    """A prompt whose first block is a local hit starts a backfill check at its first chunk;
+    when that finishes before the chunk's own save is even submitted, its 'saved' must not
+    release the answer while the chunk's blocks are still being put (a decode instance would
+    find them missing)."""
+    store = InMemoryBlockStore()
+    prefill = engine(tiny, store, "producer")
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    shared = list(range(1, 17))  # one full block both prompts start with
+    run(prefill, [("a", shared + list(range(30, 50)), first, None)])
+    store.delay_s = 0.3  # puts are slow now; the backfill's lookup is not
+    _, final = run(prefill, [("b", shared + list(range(60, 80)), first, None)])
+    hashes = final["b"].block_hashes
+    assert len(hashes) == 2 and all(h in store.objects for h in hashes)
+    prefill.close()
