@@ -3,7 +3,8 @@
 
 Lifecycle: `await FakeInstance.start(role)` listens on a free loopback port; `stop()` ends
 it. Decode streams `tokens` token ids (the prompt's last id + 1, + 2, ...) after an accepted
-message; `calls` counts Decode/Prefill calls it served.
+message; `calls` counts Decode/Prefill calls it served. `fail_after = n` makes Decode fail
+with UNAVAILABLE after its n-th token (an instance dying mid-stream, for the ladder's tests).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class _State:
     tokens: int
     calls: int = 0
     prefixes: set = field(default_factory=set)
+    fail_after: int | None = None
 
 
 class _Servicer(pb_grpc.DecodeServiceServicer, pb_grpc.PrefillServiceServicer):
@@ -45,6 +47,8 @@ class _Servicer(pb_grpc.DecodeServiceServicer, pb_grpc.PrefillServiceServicer):
         last = request.prompt_token_ids[-1] if request.prompt_token_ids else 0
         n = len(request.prompt_token_ids)
         for i in range(1, self.s.tokens + 1):
+            if self.s.fail_after is not None and i > self.s.fail_after:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "instance died mid-stream")
             done = i == self.s.tokens
             yield pb.DecodeResponse(
                 token_ids=[last + i], text="x", num_prompt_tokens=n, num_output_tokens=i,
@@ -65,6 +69,10 @@ class FakeInstance:
     @property
     def calls(self) -> int:
         return self._state.calls
+
+    def fail_after(self, tokens: int | None) -> None:
+        """Decode streams fail after this many tokens from now on (None: never)."""
+        self._state.fail_after = tokens
 
     @classmethod
     async def start(cls, role: str = "unified", tokens: int = 1) -> "FakeInstance":
