@@ -8,7 +8,7 @@ return value (None / 0); an unreachable store raises.
 from __future__ import annotations
 
 import asyncio
-from typing import Optional, Protocol
+from typing import Protocol
 
 
 STORED = ("ok", "exists")  # put statuses that leave the object readable
@@ -24,12 +24,11 @@ class BlockStore(Protocol):
     async def put(self, key: bytes, data: memoryview, lease_s: float = 0.0):
         """Store data under key; returns a status (see put_stored)."""
 
-    async def get_into(self, key: bytes, out: memoryview) -> Optional[int]: ...
-
-    # Optional (the connector uses it when present): one replica lookup for a whole load.
-    # async def get_many_into(self, keys, outs, max_inflight) -> list[int | None | Exception]
-    #     per key: its size, None on a miss, or the exception its read raised; raises when
-    #     the store is unreachable.
+    async def get_many_into(self, keys: list[bytes], outs: list[memoryview],
+                            max_inflight: int = 8) -> list:
+        """Read each key's object into its buffer, one lookup for all of them (a whole load).
+        Per key: its size, None on a miss, or the exception its read raised; raises when
+        the store is unreachable."""
 
     async def prefix_lookup(self, keys: list[bytes]) -> int: ...
 

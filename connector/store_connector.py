@@ -274,12 +274,8 @@ class StoreKVConnector(KVConnector):
     async def _load(self, rid: str, keys: list[bytes], block_ids: list[int]) -> None:
         t0 = time.perf_counter()
         bufs = [bytearray(self.codec.nbytes) for _ in keys]
-        batch = getattr(self.store, "get_many_into", None)
-        if batch is not None:  # one replica lookup for the whole prompt
-            fetch = batch(keys, [memoryview(b) for b in bufs], self.config.max_inflight)
-        else:
-            fetch = asyncio.gather(*(self._fetch(k, b) for k, b in zip(keys, bufs)),
-                                   return_exceptions=True)
+        fetch = self.store.get_many_into(keys, [memoryview(b) for b in bufs],
+                                         self.config.max_inflight)
         try:
             results = await asyncio.wait_for(fetch, self.config.load_timeout_s)
         except Exception as exc:  # noqa: BLE001 - timeout or an unreachable store: recompute
@@ -298,10 +294,6 @@ class StoreKVConnector(KVConnector):
             else:
                 self.stats.load_failures += 1
                 self._failed[rid] = loaded * self.codec.block_size
-
-    async def _fetch(self, key: bytes, buf: bytearray) -> Optional[int]:
-        async with self._semaphore():
-            return await self.store.get_into(key, memoryview(buf))
 
     def _install(self, key: bytes, block_id: int, buf: bytearray, got) -> bool:
         """Validate one fetched block and write it into every layer's cache."""
