@@ -160,9 +160,6 @@ def engine_argv(args, cpus: Optional[str] = None, threads: Optional[int] = None)
 
 
 def _setup_logging() -> None:
-    from pdserve.services.launcher import die_with_parent
-
-    die_with_parent()  # a no-op unless `pdserve up` started us
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -1,5 +1,5 @@
-"""`python -m pdserve.services.exec_tied PROGRAM [ARGS...]`: run a program that is not ours
-(redis-server) so that it gets SIGTERM when the launcher dies.
+"""`python -m pdserve.services.exec_tied PROGRAM [ARGS...]`: run a child of the launcher (our
+services, taskset, redis-server) so that it gets SIGTERM when the launcher dies.
 
 Why a trampoline instead of a `preexec_fn`: a `preexec_fn` makes subprocess use fork() rather
 than vfork(), and fork() runs every pthread_atfork handler in the parent. In a process with

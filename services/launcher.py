@@ -5,11 +5,11 @@ Lifecycle: make the log folder -> start the services of the mode's plan in order
 decode, router), each after the previous one is ready -> print the endpoints -> wait for
 SIGINT/SIGTERM or any child exiting -> stop in reverse order (router first, so no new work
 reaches the engines): SIGTERM, `stop_timeout_s` to exit, then SIGKILL. The kernel sends every
-child SIGTERM when the launcher dies (PR_SET_PDEATHSIG: our Python services set it themselves in
-`die_with_parent`; other programs start through the `exec_tied` trampoline, which sets it and
-execs them), so even a killed launcher leaves no orphans. Children are started without a
-`preexec_fn`, so subprocess can vfork: fork() in a process with gRPC / OpenMP threads runs their
-atfork handlers, which can deadlock the parent or break the child (see exec_tied.py).
+child SIGTERM when the launcher dies (PR_SET_PDEATHSIG: every child starts through the
+`exec_tied` trampoline, which sets it and execs the service, ours or not), so even a killed
+launcher leaves no orphans. Children are started without a `preexec_fn`, so subprocess can
+vfork: fork() in a process with gRPC / OpenMP threads runs their atfork handlers, which can
+deadlock the parent or break the child (see exec_tied.py).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """In a child of the launcher: get SIGTERM when the launcher exits (Linux only)."""
+    """In a child of the launcher (exec_tied calls it before exec): get SIGTERM when the
+    launcher exits (Linux only)."""
     parent = os.environ.get(PARENT_ENV)
     if not parent or not sys.platform.startswith("linux"):
         return
@@ -55,9 +56,7 @@ class Child:
 
     def start(self) -> None:
         env = dict(os.environ, **{PARENT_ENV: str(os.getpid())})
-        argv = self.argv
-        if argv[0] != sys.executable:  # not one of our services: tie it to us by trampoline
-            argv = [sys.executable, "-m", "pdserve.services.exec_tied", *argv]
+        argv = [sys.executable, "-m", "pdserve.services.exec_tied", *self.argv]  # tied to us
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env)

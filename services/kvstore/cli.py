@@ -95,9 +95,6 @@ async def _serve(master_cfg, node_args) -> None:
 
 
 def _setup() -> None:
-    from pdserve.services.launcher import die_with_parent
-
-    die_with_parent()  # a no-op unless `pdserve up` started us
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch = sys.modules.get("torch")  # the store never imports torch itself; if a plugin
