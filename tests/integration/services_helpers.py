@@ -94,13 +94,14 @@ def wait_pool_whole(address: str, timeout_s: float = 10.0):
         time.sleep(0.05)
 
 
-def offline_engine():
-    """The same tiny engine, in this process, for reference outputs."""
+def offline_engine(model: str = "tiny", num_blocks: int = 128):
+    """The engine the services run (the tiny one unless told otherwise), in this process, for
+    reference outputs."""
     import torch
 
     from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.common.engine.llm import LLM
 
     torch.set_num_threads(1)
-    return LLM(EngineConfig(model="tiny", cache=CacheConfig(num_blocks=128, block_size=16),
+    return LLM(EngineConfig(model=model, cache=CacheConfig(num_blocks=num_blocks, block_size=16),
                             scheduler=SchedulerConfig(max_model_len=512), num_threads=1))

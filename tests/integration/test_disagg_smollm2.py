@@ -7,6 +7,7 @@ import pytest
 
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.tests.integration.disagg_helpers import disagg_stack, engine_load
+from pdserve.tests.integration.services_helpers import offline_engine
 
 pytestmark = pytest.mark.slow
 
@@ -16,15 +17,8 @@ MAX_TOKENS = 12
 
 
 def test_disagg_chat_matches_offline_engine(tmp_path):
-    import torch
-
-    from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
-    from pdserve.common.engine.llm import LLM
-
-    torch.set_num_threads(1)
     try:
-        llm = LLM(EngineConfig(model="smollm2", cache=CacheConfig(num_blocks=64),
-                               scheduler=SchedulerConfig(max_model_len=512), num_threads=1))
+        llm = offline_engine("smollm2", num_blocks=64)
     except ValueError as exc:  # the packaged model is missing
         pytest.skip(str(exc))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)

@@ -4,7 +4,7 @@ engine's greedy tokens, and they answer the question."""
 import pytest
 
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.tests.integration.services_helpers import tiny_stack
+from pdserve.tests.integration.services_helpers import offline_engine, tiny_stack
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -14,15 +14,8 @@ ENGINE = ("--num-threads", "1", "--num-blocks", "64", "--max-model-len", "512")
 
 
 def test_chat_answer_matches_offline_engine(tmp_path):
-    import torch
-
-    from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
-    from pdserve.common.engine.llm import LLM
-
-    torch.set_num_threads(1)
     try:
-        llm = LLM(EngineConfig(model="smollm2", cache=CacheConfig(num_blocks=64),
-                               scheduler=SchedulerConfig(max_model_len=512), num_threads=1))
+        llm = offline_engine("smollm2", num_blocks=64)
     except ValueError as exc:  # the packaged model is missing
         pytest.skip(str(exc))
     want = llm.chat(QUESTION, SamplingParams(max_tokens=12, temperature=0))[0]
