@@ -1,1 +1,1 @@
-"""Code the gRPC services share: the asyncio wrapper around EngineCore, conversions."""
+"""Code the gRPC services share: the asyncio wrapper around EngineCore, conversions, periodic tasks."""

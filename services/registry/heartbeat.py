@@ -10,12 +10,12 @@ engine service's stats).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Callable, Optional
 
 import redis.asyncio as aioredis
 
+from pdserve.services.common.periodic import Periodic
 from pdserve.services.registry.config import RegistryConfig
 from pdserve.services.registry.record import InstanceRecord
 
@@ -28,13 +28,12 @@ class Heartbeat:
         self._snapshot = snapshot
         self._redis = aioredis.from_url(cfg.url, socket_timeout=cfg.interval_s,
                                         socket_connect_timeout=cfg.interval_s)
-        self._task: Optional[asyncio.Task] = None
+        self._periodic = Periodic(self.beat, cfg.interval_s, "registry-heartbeat")
         self._key: Optional[str] = None
         self.beats = 0  # successful writes
 
     async def start(self) -> "Heartbeat":
-        await self.beat()
-        self._task = asyncio.create_task(self._loop(), name="registry-heartbeat")
+        await self._periodic.start()
         return self
 
     async def beat(self) -> bool:
@@ -48,15 +47,8 @@ class Heartbeat:
         self.beats += 1
         return True
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.interval_s)
-            await self.beat()
-
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._periodic.stop()
         if self._key is not None:
             try:
                 await self._redis.delete(self._key)

@@ -23,6 +23,7 @@ import grpc
 
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.telemetry.metrics import RouterMetrics
+from pdserve.services.common.periodic import Periodic
 from pdserve.services.router.backend import Backend, Lease
 from pdserve.services.router.breaker import CircuitBreaker
 from pdserve.services.router.candidate import Candidate, RouteRequest
@@ -46,12 +47,11 @@ class BackendPool:
         self._sources: dict[str, set[str]] = {}
         self._retired: list[tuple[float, Backend]] = []
         self._metrics = metrics
-        self._interval_s = interval_s
         self._timeout_s = timeout_s
         self._unhealthy_after = unhealthy_after
         self.policy = policy or RoundRobin()
         self.memory = PrefixMemory(memory_blocks)
-        self._task: Optional[asyncio.Task] = None
+        self._periodic = Periodic(self._tick, interval_s, f"{kind}-health-checks")
 
     def _new(self, address: str) -> Backend:
         f = self._fallback
@@ -59,12 +59,10 @@ class BackendPool:
 
     async def start(self) -> None:
         await self.check_all()
-        self._task = asyncio.create_task(self._loop(), name=f"{self.kind}-health-checks")
+        await self._periodic.start(run_now=False)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._periodic.stop()
         old = [b for _, b in self._retired]
         await asyncio.gather(*(b.channel.close() for b in self.backends + old))
 
@@ -139,11 +137,9 @@ class BackendPool:
     def backend(self, address: str) -> Optional[Backend]:
         return next((b for b in self.backends if b.address == address), None)
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            await self.check_all()
-            await self._close_retired()
+    async def _tick(self) -> None:
+        await self.check_all()
+        await self._close_retired()
 
     async def _close_retired(self) -> None:
         now = time.monotonic()

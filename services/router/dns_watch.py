@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Optional
+
+from pdserve.services.common.periodic import Periodic
 
 log = logging.getLogger(__name__)
 DNS_SCHEME = "dns:"
@@ -35,22 +36,14 @@ class DnsWatcher:
         self._pool = pool
         self._interval_s = interval_s
         self._known: dict[tuple[str, int], set[str]] = {}
-        self._task: Optional[asyncio.Task] = None
+        self._periodic = Periodic(self.refresh, interval_s, "dns-watch")
 
     async def start(self) -> "DnsWatcher":
-        await self.refresh()
-        self._task = asyncio.create_task(self._loop(), name="dns-watch")
+        await self._periodic.start()
         return self
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            await self.refresh()
+        await self._periodic.stop()
 
     async def refresh(self) -> None:
         loop = asyncio.get_running_loop()

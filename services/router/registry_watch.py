@@ -12,12 +12,11 @@ unreachable the pools keep what they had. `stop()` ends the task and closes the 
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from typing import Optional
 
 import redis.asyncio as aioredis
 
+from pdserve.services.common.periodic import Periodic
 from pdserve.services.registry.config import RegistryConfig
 from pdserve.services.registry.record import InstanceRecord
 from pdserve.services.router.backend import InstanceLoad
@@ -33,24 +32,16 @@ class RegistryWatcher:
         self._pools = {k: p for k, p in pools.items() if p is not None}
         self._redis = aioredis.from_url(cfg.url, socket_timeout=cfg.interval_s,
                                         socket_connect_timeout=cfg.interval_s)
-        self._task: Optional[asyncio.Task] = None
+        self._periodic = Periodic(self.refresh, cfg.interval_s, "registry-watch")
         self._healthy = True  # the last read worked (logs only the change)
 
     async def start(self) -> "RegistryWatcher":
-        await self.refresh()
-        self._task = asyncio.create_task(self._loop(), name="registry-watch")
+        await self._periodic.start()
         return self
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._periodic.stop()
         await self._redis.aclose()
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.interval_s)
-            await self.refresh()
 
     async def read(self) -> list[InstanceRecord]:
         keys = [k async for k in self._redis.scan_iter(match=self.cfg.key_prefix + "*",

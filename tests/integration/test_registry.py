@@ -74,7 +74,7 @@ def test_instances_join_leave_and_expire_through_the_registry(redis):
             left = await until(lambda: pool.backend(b.address) is None, 2, "b to leave")
             assert left < 1.0
 
-            beats[0]._task.cancel()  # a "crashes": no more beats, the entry expires
+            await beats[0]._periodic.stop()  # a "crashes": no more beats, the entry expires
             gone = await until(lambda: pool.backend(a.address) is None, 4, "a to expire")
             assert gone < reg.ttl_s + 1.0
             assert await generate(router.grpc_port) == grpc.StatusCode.UNAVAILABLE
@@ -113,7 +113,7 @@ def test_heartbeat_survives_redis_down_and_record_roundtrips():
                               interval_s=0.2)
         hb = await Heartbeat(dead, lambda: rec).start()  # nothing listens: logs, keeps going
         await asyncio.sleep(0.5)
-        assert hb.beats == 0 and not hb._task.done()
+        assert hb.beats == 0 and hb._periodic.running
         await hb.stop()
     asyncio.run(asyncio.wait_for(main(), 20))
 

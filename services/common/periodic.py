@@ -1,0 +1,37 @@
+"""Run an async callable every `interval_s` until stopped: the router's health checks, its
+DNS and registry watchers, and the engines' registry heartbeat all keep one of these.
+
+Lifecycle: `start()` (optionally runs the callable once first, so the caller begins with a
+fresh answer) -> the task sleeps and calls, forever -> `stop()` cancels it and waits for it.
+The callable handles its own errors; one that escapes ends the task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable, Optional
+
+
+class Periodic:
+    def __init__(self, fn: Callable[[], Awaitable[object]], interval_s: float, name: str):
+        self._fn, self._interval_s, self._name = fn, interval_s, name
+        self._task: Optional[asyncio.Task] = None
+
+    async def start(self, run_now: bool = True) -> None:
+        if run_now:
+            await self._fn()
+        self._task = asyncio.create_task(self._loop(), name=self._name)
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            await self._fn()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
