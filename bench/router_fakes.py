@@ -9,6 +9,7 @@ with UNAVAILABLE after its n-th token (an instance dying mid-stream, for the lad
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 import grpc
@@ -27,6 +28,7 @@ class _State:
     calls: int = 0
     prefixes: set = field(default_factory=set)
     fail_after: int | None = None
+    delay_s: float = 0.0  # before the first token
 
 
 class _Servicer(pb_grpc.DecodeServiceServicer, pb_grpc.PrefillServiceServicer):
@@ -46,6 +48,8 @@ class _Servicer(pb_grpc.DecodeServiceServicer, pb_grpc.PrefillServiceServicer):
         yield pb.DecodeResponse()  # accepted
         last = request.prompt_token_ids[-1] if request.prompt_token_ids else 0
         n = len(request.prompt_token_ids)
+        if self.s.delay_s:
+            await asyncio.sleep(self.s.delay_s)
         for i in range(1, self.s.tokens + 1):
             if self.s.fail_after is not None and i > self.s.fail_after:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "instance died mid-stream")
@@ -75,8 +79,10 @@ class FakeInstance:
         self._state.fail_after = tokens
 
     @classmethod
-    async def start(cls, role: str = "unified", tokens: int = 1) -> "FakeInstance":
-        state = _State(role, tokens)
+    async def start(cls, role: str = "unified", tokens: int = 1,
+                    delay_s: float = 0.0) -> "FakeInstance":
+        """`delay_s`: how long Decode waits before its first token."""
+        state = _State(role, tokens, delay_s=delay_s)
         server = grpc.aio.server()
         servicer = _Servicer(state)
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)

@@ -18,8 +18,8 @@ from pdserve.tests.unit.fake_engine import FakeTokenizer
 
 
 @contextlib.asynccontextmanager
-async def router(**kw):
-    fake = await FakeInstance.start(tokens=2)
+async def router(fake_delay_s: float = 0.0, **kw):
+    fake = await FakeInstance.start(tokens=2, delay_s=fake_delay_s)
     running = None
     try:
         running = await start_router(RouterConfig(model="fake", backends=(fake.address,),
@@ -59,7 +59,10 @@ def test_ttft_slo_rejects_at_once_on_http_and_grpc():
     async def main():
         # Until measured the rate is 10 tokens/s: 5 tokens need 0.5 s, 20 need 2 s, so a
         # 100 ms target cannot be met
-        async with router(admission=AdmissionConfig(prefill_tokens_per_s=10.0)) as r:
+        # the fake's first token comes >= 20 ms after dispatch: above the rate's 1 ms noise
+        # floor, so the admitted request is certain to give a sample
+        async with router(fake_delay_s=0.02,
+                          admission=AdmissionConfig(prefill_tokens_per_s=10.0)) as r:
             resp = await post(r, {"x-ttft-slo-ms": "100"}, prompt="abcde")
             assert resp.status_code == 429 and resp.headers["Retry-After"] == "1"
             assert resp.json()["error"]["code"] == "slo"
