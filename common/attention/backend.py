@@ -55,14 +55,15 @@ class AttentionBackend(abc.ABC):
         """query [T, heads, head_dim]; key/value [T, kv_heads, head_dim] are the new tokens
         (already written to kv_cache). Returns [T, heads, head_dim]."""
 
-    def fused_decode(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                     num_heads: int) -> Optional[torch.Tensor]:
-        """Optional fast path for a batch of decodes only: rotate-half rotary on q and k
+    def fused_forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                      num_heads: int) -> Optional[torch.Tensor]:
+        """Optional fast path for a whole layer's attention: rotate-half rotary on q and k
         (cos, sin [T, head_dim] for each token's position), k and v written to their slots,
-        attention; the same result as the three steps done apart. qkv [T, (heads + 2 kv_heads)
-        * head_dim]. Returns [T, heads, head_dim], or None when this backend cannot (then the
-        model does the three steps itself, and nothing was written)."""
+        attention for every request of the batch; the same result as the three steps done
+        apart. qkv [T, (heads + 2 kv_heads) * head_dim]. Returns [T, heads, head_dim], or None
+        when this backend cannot (then the model does the three steps itself, and nothing was
+        written)."""
         return None
 
 

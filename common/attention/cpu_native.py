@@ -1,7 +1,9 @@
-"""Native CPU paged decode attention (cpu_kernels/paged_attention.cpp), built just in time.
+"""Native CPU kernels (cpu_kernels/*.cpp), built just in time into one module: paged decode
+attention (paged_attention.cpp), paged prefill attention (prefill_attention.cpp), the fused layer
+step and RMSNorm (layer_ops.cpp, which also holds the bindings).
 
 Why native: on the CPU the torch path's gather of the paged KV into dense tensors costs more than
-the attention itself; the kernel reads each K/V row once, straight through the block table.
+the attention itself; the kernels read each K/V row straight through the block table.
 
 Why just in time rather than at install: the build needs only a C++ compiler (and ninja) at run
 time, and a failed build must never break the engine: `load_cpu_kernels()` then returns None
@@ -32,7 +34,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "cpu_kernels" / "paged_attention.cpp"
+KERNEL_DIR = Path(__file__).resolve().parent / "cpu_kernels"
+SOURCES = tuple(KERNEL_DIR / n for n in ("paged_attention.cpp", "prefill_attention.cpp",
+                                           "layer_ops.cpp"))
 _OK_MARKER = "BUILD_OK"  # written after a successful build: the .so is complete and loads
 
 
@@ -48,11 +52,15 @@ def _cpu_flags() -> set[str]:
 
 
 def compile_flags() -> list[str]:
-    """-O3, plus AVX2/FMA code when this CPU has both. -fopenmp always: at::parallel_for is an
-    inline OpenMP loop in torch's headers, serial without it."""
+    """-O3, plus AVX2/FMA code when this CPU has both, and AVX-512 (the prefill kernel's 16-lane
+    vectors) when it has that too. -fopenmp always: at::parallel_for is an inline OpenMP loop in
+    torch's headers, serial without it."""
     flags = ["-O3", "-fopenmp"]
-    if {"avx2", "fma"} <= _cpu_flags():
+    cpu = _cpu_flags()
+    if {"avx2", "fma"} <= cpu:
         flags += ["-mavx2", "-mfma"]
+        if "avx512f" in cpu:
+            flags += ["-mavx512f"]
     return flags
 
 
@@ -67,7 +75,9 @@ def _cache_root() -> Path:
 
 def module_name(flags: list[str]) -> str:
     """Unique per source version and everything else the binary depends on."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for path in sorted(KERNEL_DIR.glob("*.[ch]*")):  # every source and header
+        h.update(path.name.encode() + path.read_bytes())
     h.update(repr((flags, torch.__version__, sys.version_info[:2], platform.machine())).encode())
     return f"pdserve_cpu_attn_{h.hexdigest()[:16]}"
 
@@ -97,7 +107,8 @@ def _build_or_import() -> ModuleType:
     from torch.utils import cpp_extension  # imported only when a build is needed (slow import)
     directory.mkdir(parents=True, exist_ok=True)
     log.info("building native CPU attention kernels in %s (once per source version)", directory)
-    module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+    module = cpp_extension.load(name=name, sources=[str(p) for p in SOURCES],
+                                extra_cflags=flags,
                                 extra_ldflags=["-fopenmp"], build_directory=str(directory))
     (directory / _OK_MARKER).write_text("ok\n")
     return module

@@ -7,9 +7,14 @@ devices or dtypes, PDSERVE_NO_NATIVE=1, no compiler) their context is gathered f
 cache into a padded dense tensor and attended with one SDPA call (key-padding mask): `_decode`,
 also the reference the native kernel is tested against.
 
-Prefill / extend requests are done one at a time: a prompt chunk with no cached prefix attends to
-its own keys (causal SDPA, no gather); a chunk with a prefix gathers its blocks and uses an offset
-causal mask.
+Prefill / extend requests go to the native paged prefill kernel (all chunks in one call, K/V
+read through the block table) where it built with AVX2 or wider; otherwise one at a time: a
+prompt chunk with no cached prefix attends to its own keys (causal SDPA, no gather); a chunk with
+a prefix gathers its blocks and uses an offset causal mask (`_prefill_one`, also the reference the
+native kernel is tested against).
+
+`fused_forward` does a layer's rotary, KV write and attention in one native call
+(`attention_step`) when the kernels apply.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ def _prefill_one(q, k_new, v_new, kv_cache, block_table, seq_len, scale):
     return out[0].transpose(0, 1)
 
 
-def _native_decode_module(query, kv_cache, meta: AttentionMetadata):
+def _native_module(query, kv_cache, meta: AttentionMetadata):
     """The native kernels when they apply to these tensors, else None (use `_decode`)."""
     if (query.device.type != "cpu" or kv_cache.device.type != "cpu"
             or query.dtype != torch.float32 or kv_cache.dtype != torch.float32
@@ -87,30 +92,40 @@ class TorchAttentionBackend(AttentionBackend):
         flat[0].index_copy_(0, slot_mapping, key)
         flat[1].index_copy_(0, slot_mapping, value)
 
-    def fused_decode(self, qkv, cos, sin, kv_cache, meta, scale, num_heads):
-        """The native fused step when every token is a decode and the kernels apply."""
-        if meta.num_decodes != meta.num_tokens or meta.num_tokens == 0:
+    def fused_forward(self, qkv, cos, sin, kv_cache, meta, scale, num_heads):
+        """The native fused step (attention_step) when the kernels apply to this batch."""
+        if meta.num_tokens == 0:
             return None
-        native = _native_decode_module(qkv, kv_cache, meta)
-        if native is None or meta.slot_mapping.dtype != torch.int64:
+        native = _native_module(qkv, kv_cache, meta)
+        if (native is None or meta.slot_mapping.dtype != torch.int64
+                or meta.query_start_loc.dtype != torch.int32
+                or (meta.num_decodes < meta.num_reqs and not native.fast_prefill)):
             return None
         t = meta.num_tokens
-        return native.decode_step(qkv, cos.reshape(t, -1), sin.reshape(t, -1), kv_cache,
-                                  meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                  float(scale), num_heads)
+        return native.attention_step(qkv, cos.reshape(t, -1), sin.reshape(t, -1), kv_cache,
+                                     meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                     meta.query_start_loc, meta.num_decodes, float(scale),
+                                     num_heads)
 
     def forward(self, query, key, value, kv_cache, meta, scale):
         out = torch.empty_like(query)
         n_dec = meta.num_decodes
         if n_dec:
-            native = _native_decode_module(query, kv_cache, meta)
+            native = _native_module(query, kv_cache, meta)
             dec_out = out[:n_dec]
             if native is not None and dec_out.is_contiguous():
                 native.paged_decode(query[:n_dec], kv_cache, meta.block_tables[:n_dec],
                                     meta.seq_lens[:n_dec], float(scale), dec_out)
             else:
                 dec_out[:] = _decode(query[:n_dec], kv_cache, meta, scale)
-        loc = meta.query_start_loc.tolist() if meta.num_reqs > n_dec else ()
+        if meta.num_reqs == n_dec:
+            return out
+        native = _native_module(query, kv_cache, meta)
+        if native is not None and native.fast_prefill and meta.query_start_loc.dtype == torch.int32:
+            native.paged_prefill(query, kv_cache, meta.block_tables, meta.seq_lens,
+                                 meta.query_start_loc, n_dec, float(scale), out)
+            return out
+        loc = meta.query_start_loc.tolist()
         for i in range(n_dec, meta.num_reqs):
             s, e = loc[i], loc[i + 1]
             out[s:e] = _prefill_one(query[s:e], key[s:e], value[s:e], kv_cache,

@@ -48,9 +48,9 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (h + 2 kvh) d]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        fused = self.backend.fused_decode(qkv, *cos_sin, kv_cache, meta, self.scale,
-                                          self.num_heads)
-        if fused is not None:  # decodes only: rotary, KV write and attention in one call
+        fused = self.backend.fused_forward(qkv, *cos_sin, kv_cache, meta, self.scale,
+                                           self.num_heads)
+        if fused is not None:  # rotary, KV write and attention in one call
             return self.o_proj(fused.view(t, q_size), residual)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)

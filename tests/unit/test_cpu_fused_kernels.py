@@ -1,9 +1,10 @@
-"""The native CPU kernels' fused pieces: `decode_step` (rotary + KV write + paged decode
-attention for a decode-only layer) against the three torch steps, and `rms_norm` against torch.
+"""The native CPU kernels' fused pieces: `attention_step` (rotary + KV write + paged decode and
+prefill attention for a layer) against the three torch steps with SDPA attention, and `rms_norm`
+against torch.
 
-The rotary inside `decode_step` rounds each product on its own, like torch's mul/mul/add, so
-the cache it writes must be bit-identical to the torch path's; attention outputs use the decode
-kernel tolerance (fp32 atol 1e-5 / rtol 1e-4)."""
+The rotary inside `attention_step` rounds each product on its own, like torch's mul/mul/add, so
+the cache it writes must be bit-identical to the torch path's; attention outputs use the
+kernels' tolerance (fp32 atol 1e-5 / rtol 1e-4)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from pdserve.common.attention import cpu_native
-from pdserve.common.attention.torch_backend import TorchAttentionBackend
+from pdserve.common.attention.backend import AttentionMetadata
+from pdserve.common.attention.torch_backend import TorchAttentionBackend, _decode, _prefill_one
 from pdserve.common.config import RopeScaling
 from pdserve.common.models.rope import RotaryEmbedding
 from pdserve.tests.unit.test_cpu_paged_attention import NUM_KV_HEADS, make_decode_batch
@@ -24,26 +26,62 @@ def kernels():
     return module
 
 
-def _decode_case(lens, head_dim, block_size, group):
-    query, kv_cache, meta = make_decode_batch(lens, head_dim, block_size, group)
+def _step_case(lens, chunks, head_dim, block_size, group):
+    """A batch of decodes (context lengths `lens`) then prefill chunks ((chunk, context) each),
+    metadata as the runner builds it, and a qkv with strided rows."""
+    all_lens = list(lens) + [ctx for _, ctx in chunks]
+    _, kv_cache, meta = make_decode_batch(all_lens, head_dim, block_size, group)
+    q_lens = [1] * len(lens) + [q for q, _ in chunks]
     heads = NUM_KV_HEADS * group
+    # every new token's position and slot (the last q_len positions of its context)
+    pos = torch.cat([torch.arange(ctx - q, ctx) for q, ctx in zip(q_lens, all_lens)])
+    req = torch.repeat_interleave(torch.arange(len(all_lens)), torch.tensor(q_lens))
+    blocks = meta.block_tables[req, pos // block_size].long()
+    t = len(pos)
+    meta = AttentionMetadata(
+        num_tokens=t, num_decodes=len(lens),
+        query_start_loc=torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(),
+                                     dtype=torch.int32),
+        seq_lens=meta.seq_lens, block_tables=meta.block_tables,
+        slot_mapping=blocks * block_size + pos % block_size, max_query_len=max(q_lens),
+        max_seq_len=max(all_lens), query_lens_cpu=q_lens, seq_lens_cpu=all_lens)
     gen = torch.Generator().manual_seed(1)
-    # the new token sits at position len - 1: its slot in the request's last used block
-    pos = torch.tensor(lens) - 1
-    blocks = meta.block_tables[torch.arange(len(lens)), pos // block_size].long()
-    meta.slot_mapping = blocks * block_size + pos % block_size
     width = (heads + 2 * NUM_KV_HEADS) * head_dim
-    qkv = torch.randn(len(lens), width + 5, generator=gen)[:, :width]  # strided rows
+    qkv = torch.randn(t, width + 5, generator=gen)[:, :width]  # strided rows
     rope = RotaryEmbedding(head_dim, 4096, 10000.0, RopeScaling())
     return qkv, rope.cos_sin(pos), kv_cache, meta, heads, rope
 
 
+def _sdpa_attention(q, kv_cache, meta, scale):
+    """The torch reference for every request: `_decode` and `_prefill_one` (SDPA)."""
+    out = torch.empty_like(q)
+    n = meta.num_decodes
+    if n:
+        out[:n] = _decode(q[:n], kv_cache, meta, scale)
+    loc = meta.query_start_loc.tolist()
+    flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
+    for i in range(n, meta.num_reqs):
+        s, e = loc[i], loc[i + 1]
+        slots = meta.slot_mapping[s:e]
+        out[s:e] = _prefill_one(q[s:e], flat[0][slots], flat[1][slots], kv_cache,
+                                meta.block_tables[i], meta.seq_lens_cpu[i], scale)
+    return out
+
+
+CASES = [([1, 17, 16, 53], []),  # decodes only
+         ([], [(20, 20), (7, 40), (1, 1)]),  # prefill chunks only, with and without a prefix
+         ([9, 70], [(33, 33), (16, 80)])]  # mixed, decodes first
+
+
+@pytest.mark.parametrize("lens,chunks", CASES, ids=["decode", "prefill", "mixed"])
 @pytest.mark.parametrize("head_dim,block_size,group", [(64, 16, 3), (128, 32, 1), (64, 16, 8)])
-def test_decode_step_equals_rotary_write_attend(kernels, head_dim, block_size, group):
-    lens = [1, 17, block_size, 3 * block_size + 5]
-    qkv, (cos, sin), kv_cache, meta, heads, rope = _decode_case(lens, head_dim, block_size,
-                                                                 group)
-    t, q_size, kv_size = len(lens), heads * head_dim, NUM_KV_HEADS * head_dim
+def test_attention_step_equals_rotary_write_attend(kernels, head_dim, block_size, group, lens,
+                                                   chunks):
+    if chunks and not kernels.fast_prefill:
+        pytest.skip("no AVX2: the fused step declines prefill chunks on this CPU")
+    qkv, (cos, sin), kv_cache, meta, heads, rope = _step_case(lens, chunks, head_dim,
+                                                              block_size, group)
+    t, q_size, kv_size = meta.num_tokens, heads * head_dim, NUM_KV_HEADS * head_dim
     backend = TorchAttentionBackend()
     # the torch path, step by step
     ref_cache = kv_cache.clone()
@@ -51,30 +89,34 @@ def test_decode_step_equals_rotary_write_attend(kernels, head_dim, block_size, g
     q, k = rope((cos, sin), q.reshape(t, heads, head_dim), k.reshape(t, NUM_KV_HEADS, head_dim))
     v = v.reshape(t, NUM_KV_HEADS, head_dim)
     backend.write_kv(k, v, ref_cache, meta.slot_mapping)
-    ref = backend.forward(q, k, v, ref_cache, meta, 0.125)
+    ref = _sdpa_attention(q, ref_cache, meta, 0.125)
     # fused
     fused_cache = kv_cache.clone()
-    out = backend.fused_decode(qkv, cos, sin, fused_cache, meta, 0.125, heads)
+    out = backend.fused_forward(qkv, cos, sin, fused_cache, meta, 0.125, heads)
     assert out is not None
     assert torch.equal(fused_cache, ref_cache)  # same slots, bit-identical rotated keys
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    # the unfused backend path (native decode + native prefill) agrees too
+    torch.testing.assert_close(backend.forward(q, k, v, ref_cache, meta, 0.125), ref,
+                               atol=1e-5, rtol=1e-4)
 
 
-def test_fused_decode_declines_mixed_batches(kernels):
-    qkv, (cos, sin), kv_cache, meta, heads, _ = _decode_case([5, 9], 64, 16, 3)
-    meta.num_decodes = 1  # one of them is a prefill chunk: the model must do the steps itself
-    before = kv_cache.clone()
-    assert TorchAttentionBackend().fused_decode(qkv, cos, sin, kv_cache, meta, 0.125,
-                                                heads) is None
-    assert torch.equal(kv_cache, before)
+def test_fused_forward_declines_an_empty_batch(kernels):
+    qkv, (cos, sin), kv_cache, meta, heads, _ = _step_case([5], [], 64, 16, 3)
+    meta.num_tokens = 0
+    assert TorchAttentionBackend().fused_forward(qkv[:0], cos[:0], sin[:0], kv_cache, meta,
+                                                 0.125, heads) is None
 
 
-def test_decode_step_rejects_bad_slots(kernels):
-    qkv, (cos, sin), kv_cache, meta, heads, _ = _decode_case([5, 9], 64, 16, 3)
+def test_attention_step_rejects_bad_slots(kernels):
+    qkv, (cos, sin), kv_cache, meta, heads, _ = _step_case([5, 9], [], 64, 16, 3)
     meta.slot_mapping[1] = kv_cache.shape[1] * kv_cache.shape[2]  # one past the last slot
+    before = kv_cache.clone()
     with pytest.raises(ValueError, match="slot_mapping"):
-        kernels.decode_step(qkv, cos.reshape(2, -1), sin.reshape(2, -1), kv_cache,
-                            meta.slot_mapping, meta.block_tables, meta.seq_lens, 0.125, heads)
+        kernels.attention_step(qkv, cos.reshape(2, -1), sin.reshape(2, -1), kv_cache,
+                               meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                               meta.query_start_loc, 2, 0.125, heads)
+    assert torch.equal(kv_cache, before)  # checked before anything is written
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])

@@ -2,8 +2,8 @@
 // block table (no dense gather copy), each K/V row once per (request, kv head) for all the query
 // heads of its GQA group, with an online softmax over block-aligned tiles and fp32 accumulation.
 //
-// Also `decode_step`: a decode-only layer's rotary and KV write fused in front of the attention,
-// and `rms_norm`: one pass per row (torch runs five ops for it on the CPU).
+// Prefill chunks go to prefill_attention.cpp; the fused layer step, RMSNorm and the Python
+// bindings are in layer_ops.cpp.
 //
 // Built just in time by pdserve/common/attention/cpu_native.py. With AVX2+FMA (the loader adds
 // -mavx2 -mfma when the CPU has them) the inner loops use 8-wide intrinsics; otherwise plain
@@ -15,6 +15,8 @@
 //   block_tables [D, W]      cache block of each request's bs-token page
 //   seq_lens     [D]         context length incl. the new token, 1 <= len <= W * bs
 //   out          [D, H, d]   contiguous; query head j uses kv head j / (H / kvh)
+
+#include "kernels.h"
 
 #include <torch/extension.h>
 
@@ -322,24 +324,6 @@ void decode_item(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1, int6
   }
 }
 
-// Checks up front (serially, before any thread starts) so bad metadata is a ValueError, never an
-// out-of-bounds read.
-void check_metadata(const int32_t* tables, const int32_t* lens, int64_t num_reqs, int64_t width,
-                    int64_t block_size, int64_t num_blocks) {
-  for (int64_t r = 0; r < num_reqs; ++r) {
-    const int64_t len = lens[r];
-    TORCH_CHECK_VALUE(len >= 1 && len <= width * block_size, "seq_lens[", r, "] = ", len,
-                      " must be in [1, ", width * block_size, "] (block table width ", width,
-                      " x block size ", block_size, ")");
-    const int64_t used = (len + block_size - 1) / block_size;
-    for (int64_t b = 0; b < used; ++b) {
-      const int64_t id = tables[r * width + b];
-      TORCH_CHECK_VALUE(id >= 0 && id < num_blocks, "block_tables[", r, ", ", b, "] = ", id,
-                        " is outside the cache's ", num_blocks, " blocks");
-    }
-  }
-}
-
 }  // namespace
 
 // out = softmax(scale * q K^T) V per request and head, K/V read through the block table.
@@ -391,7 +375,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
   // below this many (token, kv head) rows a decode runs on one thread (~3 MiB of fp32 KV)
   constexpr int64_t kSerialKvRows = 8192;
   const int64_t width = tables.size(1);
-  check_metadata(tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), num_reqs, width, bs,
+  pdserve_kernels::check_metadata(tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), num_reqs, width, bs,
                  num_blocks);
 
   const float* kv = kv_cache.data_ptr<float>();
@@ -424,124 +408,4 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
     }
   });
   return out;
-}
-
-namespace {
-
-// Rotate-half rotary of one head row: y = x * cos + rotate_half(x) * sin, rotate_half(x) =
-// [-x2, x1]. fp-contract off: each product rounds on its own, as in torch's mul/mul/add, so the
-// rotated keys and queries are bit-identical to the torch path's.
-__attribute__((optimize("fp-contract=off"))) void rope_row(const float* x, const float* c,
-                                                           const float* s, float* y,
-                                                           int64_t d) {
-  const int64_t half = d / 2;
-  for (int64_t i = 0; i < half; ++i) y[i] = x[i] * c[i] - x[i + half] * s[i];
-  for (int64_t i = half; i < d; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
-}
-
-}  // namespace
-
-// One decode-only layer step, fused: rotary on every token's q and k heads, k and v written to
-// their cache slots, then paged decode attention. The torch path spends ~20 small ops per layer
-// on the first two, whose dispatch costs more than their arithmetic at small batches.
-//   qkv          [D, (H + 2 kvh) d] fp32, rows may be strided (the fused projection's output)
-//   cos, sin     [D, d] fp32 contiguous (the rows for each token's position)
-//   slot_mapping [D] int64, each token's cache slot
-// The rest as paged_decode. Returns [D, H, d] (written into `out` when given).
-at::Tensor decode_step(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                       const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
-                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                       int64_t num_heads, c10::optional<at::Tensor> out_opt) {
-  TORCH_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                        kv_cache.scalar_type() == at::kFloat && kv_cache.device().is_cpu(),
-                    "decode_step: kv_cache must be a contiguous float32 CPU tensor "
-                    "[2, blocks, block_size, kv_heads, head_dim], got ", kv_cache.sizes());
-  const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), kvh = kv_cache.size(3);
-  const int64_t d = kv_cache.size(4), n = qkv.size(0);
-  TORCH_CHECK_VALUE(d % 2 == 0, "decode_step: head_dim must be even, got ", d);
-  TORCH_CHECK_VALUE(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.device().is_cpu() &&
-                        qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * kvh) * d,
-                    "decode_step: qkv must be float32 CPU [D, (heads + 2 kv_heads) head_dim] "
-                    "with unit column stride, got ", qkv.sizes());
-  for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->is_contiguous() &&
-                          t->numel() == n * d && t->device().is_cpu(),
-                      "decode_step: cos and sin must be contiguous float32 [D, head_dim]");
-  TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                        slot_mapping.numel() == n,
-                    "decode_step: slot_mapping must be contiguous int64 [D]");
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t r = 0; r < n; ++r)
-    TORCH_CHECK_VALUE(slots[r] >= 0 && slots[r] < num_blocks * bs, "decode_step: slot_mapping[",
-                      r, "] = ", slots[r], " is outside the cache's ", num_blocks * bs,
-                      " slots");
-
-  at::Tensor q = at::empty({n, num_heads, d}, qkv.options());
-  float* qp = q.data_ptr<float>();
-  float* kc = kv_cache.data_ptr<float>();
-  float* vc = kc + num_blocks * bs * kvh * d;
-  const float* x = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r) {
-    const float* row = x + r * qkv.stride(0);
-    const float* c = cp + r * d;
-    const float* s = sp + r * d;
-    for (int64_t h = 0; h < num_heads; ++h)
-      rope_row(row + h * d, c, s, qp + (r * num_heads + h) * d, d);
-    for (int64_t h = 0; h < kvh; ++h)
-      rope_row(row + (num_heads + h) * d, c, s, kc + (slots[r] * kvh + h) * d, d);
-    std::copy(row + (num_heads + kvh) * d, row + (num_heads + 2 * kvh) * d,
-              vc + slots[r] * kvh * d);
-  }
-  return paged_decode(q, kv_cache, block_tables, seq_lens, scale, out_opt, 0);
-}
-
-// RMSNorm of each row: y = (x * rsqrt(mean(x^2) + eps)) * w, fp32, x [T, n] with contiguous
-// rows (row stride may exceed n), w [n]. One pass per row instead of torch's five ops on the CPU.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
-                        x.stride(1) == 1,
-                    "rms_norm: x must be float32 CPU [T, n] with unit column stride, got ",
-                    x.sizes());
-  const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == n && w.scalar_type() == at::kFloat &&
-                        w.is_contiguous(),
-                    "rms_norm: weight must be contiguous float32 [", n, "], got ", w.sizes());
-  at::Tensor y = at::empty({rows, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t stride = x.stride(0);
-  const float fe = static_cast<float>(eps);
-  // rows are independent; below ~64 rows one thread is cheaper than waking the others
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xp + r * stride;
-      float* yr = yp + r * n;
-      const float rstd = 1.f / std::sqrt(dot(xr, xr, n) / static_cast<float>(n) + fe);
-      for (int64_t i = 0; i < n; ++i) yr[i] = (xr[i] * rstd) * wp[i];
-    }
-  });
-  return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Paged decode attention (CPU, fp32)",
-        py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("out") = py::none(),
-        // kv heads per work item, 0 = auto (exposed for the benchmark and tests)
-        py::arg("heads_per_item") = 0);
-  m.def("decode_step", &decode_step,
-        "Fused decode layer step: rotary, KV write, paged decode attention (CPU, fp32)",
-        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"),
-        py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("num_heads"), py::arg("out") = py::none());
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)", py::arg("x"),
-        py::arg("weight"), py::arg("eps"));
-#ifdef PDSERVE_AVX2
-  m.attr("simd") = "avx2";
-#else
-  m.attr("simd") = "scalar";
-#endif
 }

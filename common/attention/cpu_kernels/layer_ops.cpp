@@ -1,0 +1,178 @@
+// The native CPU kernels' fused layer pieces and the module's Python bindings:
+//   attention_step  one layer's rotary, KV write and attention (decodes and prefill chunks)
+//   rms_norm        one pass per row (torch runs five ops for it on the CPU)
+// The attention kernels themselves: paged_attention.cpp (decode), prefill_attention.cpp.
+
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+// Rotate-half rotary of one head row: y = x * cos + rotate_half(x) * sin, rotate_half(x) =
+// [-x2, x1]. fp-contract off: each product rounds on its own, as in torch's mul/mul/add, so the
+// rotated keys and queries are bit-identical to the torch path's.
+__attribute__((optimize("fp-contract=off"))) void rope_row(const float* x, const float* c,
+                                                           const float* s, float* y,
+                                                           int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) y[i] = x[i] * c[i] - x[i + half] * s[i];
+  for (int64_t i = half; i < d; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
+}
+
+// sum of x[i]^2 in eight interleaved partial sums (a vector register under -O3)
+inline float sum_squares(const float* x, int64_t n) {
+  typedef float v8 __attribute__((vector_size(32)));
+  v8 acc = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    v8 v;
+    std::memcpy(&v, x + i, sizeof v);
+    acc += v * v;
+  }
+  float s = 0.f;
+  for (int k = 0; k < 8; ++k) s += acc[k];
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+}  // namespace
+
+// One layer's attention, fused: rotary on every token's q and k heads, k and v written to their
+// cache slots, then attention: paged decode for the first num_decodes requests (one token each)
+// and paged prefill for the chunks after them. The torch path spends ~20 small ops per layer on
+// the first two and runs prefill chunks one SDPA call at a time.
+//   qkv             [T, (H + 2 kvh) d] fp32, rows may be strided (the fused projection's output)
+//   cos, sin        [T, d] fp32 contiguous (the rows for each token's position)
+//   slot_mapping    [T] int64, each token's cache slot
+//   query_start_loc [R + 1] int32; the rest as paged_decode / paged_prefill.
+// Returns [T, H, d].
+at::Tensor attention_step(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, int64_t num_decodes, double scale,
+                          int64_t num_heads) {
+  TORCH_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                        kv_cache.scalar_type() == at::kFloat && kv_cache.device().is_cpu(),
+                    "attention_step: kv_cache must be a contiguous float32 CPU tensor "
+                    "[2, blocks, block_size, kv_heads, head_dim], got ", kv_cache.sizes());
+  const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), kvh = kv_cache.size(3);
+  const int64_t d = kv_cache.size(4), n = qkv.size(0), num_reqs = seq_lens.size(0);
+  TORCH_CHECK_VALUE(d % 2 == 0, "attention_step: head_dim must be even, got ", d);
+  TORCH_CHECK_VALUE(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.device().is_cpu() &&
+                        qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * kvh) * d,
+                    "attention_step: qkv must be float32 CPU [T, (heads + 2 kv_heads) head_dim] "
+                    "with unit column stride, got ", qkv.sizes());
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                          t->numel() == n * d && t->device().is_cpu(),
+                      "attention_step: cos and sin must be contiguous float32 [T, head_dim]");
+  TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                        slot_mapping.numel() == n,
+                    "attention_step: slot_mapping must be contiguous int64 [T]");
+  TORCH_CHECK_VALUE(num_decodes >= 0 && num_decodes <= num_reqs && num_decodes <= n,
+                    "attention_step: num_decodes = ", num_decodes, " must be in [0, ",
+                    std::min(num_reqs, n), "]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK_VALUE(slots[r] >= 0 && slots[r] < num_blocks * bs, "attention_step: "
+                      "slot_mapping[", r, "] = ", slots[r], " is outside the cache's ",
+                      num_blocks * bs, " slots");
+
+  at::Tensor q = at::empty({n, num_heads, d}, qkv.options());
+  float* qp = q.data_ptr<float>();
+  float* kc = kv_cache.data_ptr<float>();
+  float* vc = kc + num_blocks * bs * kvh * d;
+  const float* x = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t x_stride = qkv.stride(0);
+  // tokens are independent (distinct slots); a decode batch's few rows stay on one thread
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * x_stride;
+      const float* c = cp + r * d;
+      const float* s = sp + r * d;
+      for (int64_t h = 0; h < num_heads; ++h)
+        rope_row(row + h * d, c, s, qp + (r * num_heads + h) * d, d);
+      for (int64_t h = 0; h < kvh; ++h)
+        rope_row(row + (num_heads + h) * d, c, s, kc + (slots[r] * kvh + h) * d, d);
+      std::copy(row + (num_heads + kvh) * d, row + (num_heads + 2 * kvh) * d,
+                vc + slots[r] * kvh * d);
+    }
+  });
+  at::Tensor out = at::empty({n, num_heads, d}, qkv.options());
+  if (num_decodes > 0)
+    paged_decode(q.narrow(0, 0, num_decodes), kv_cache, block_tables.narrow(0, 0, num_decodes),
+                 seq_lens.narrow(0, 0, num_decodes), scale, out.narrow(0, 0, num_decodes), 0);
+  if (num_decodes < num_reqs)
+    paged_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, num_decodes, scale, out);
+  return out;
+}
+
+// RMSNorm of each row: y = (x * rsqrt(mean(x^2) + eps)) * w, fp32, x [T, n] with contiguous
+// rows (row stride may exceed n), w [n]. One pass per row instead of torch's five ops on the CPU.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
+                        x.stride(1) == 1,
+                    "rms_norm: x must be float32 CPU [T, n] with unit column stride, got ",
+                    x.sizes());
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == n && w.scalar_type() == at::kFloat &&
+                        w.is_contiguous(),
+                    "rms_norm: weight must be contiguous float32 [", n, "], got ", w.sizes());
+  at::Tensor y = at::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t stride = x.stride(0);
+  const float fe = static_cast<float>(eps);
+  // rows are independent; below ~64 rows one thread is cheaper than waking the others
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * stride;
+      float* yr = yp + r * n;
+      const float rstd = 1.f / std::sqrt(sum_squares(xr, n) / static_cast<float>(n) + fe);
+      for (int64_t i = 0; i < n; ++i) yr[i] = (xr[i] * rstd) * wp[i];
+    }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "Paged decode attention (CPU, fp32)",
+        py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("out") = py::none(),
+        // kv heads per work item, 0 = auto (exposed for the benchmark and tests)
+        py::arg("heads_per_item") = 0);
+  m.def("paged_prefill", &paged_prefill,
+        "Paged prefill attention of requests first_req.. into out (CPU, fp32)", py::arg("query"),
+        py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_start_loc"), py::arg("first_req"), py::arg("scale"), py::arg("out"));
+  m.def("attention_step", &attention_step,
+        "Fused layer attention: rotary, KV write, paged decode + prefill attention (CPU, fp32)",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"),
+        py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_start_loc"), py::arg("num_decodes"), py::arg("scale"),
+        py::arg("num_heads"));
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)", py::arg("x"),
+        py::arg("weight"), py::arg("eps"));
+#if defined(__AVX512F__)
+  m.attr("simd") = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  m.attr("simd") = "avx2";
+#else
+  m.attr("simd") = "scalar";
+#endif
+  // the prefill kernel's vectors only pay with AVX2 or wider (scalar code is ~6x slower than
+  // torch's SDPA); callers use SDPA where this is false
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  m.attr("fast_prefill") = true;
+#else
+  m.attr("fast_prefill") = false;
+#endif
+}

@@ -1,0 +1,129 @@
+"""Native CPU paged prefill attention (cpu_kernels/prefill_attention.cpp) against the torch
+reference `_prefill_one` (causal SDPA; a gather and an offset mask for chunks with a prefix).
+
+Tolerance: fp32 atol 1e-5 / rtol 1e-4, as for the decode kernel: only the summation order (online
+softmax over 64-key tiles) and a ~1 ulp polynomial exp differ. Slots a request does not own hold
+large garbage, so reading past a context or outside a block table fails the comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.common.attention import cpu_native
+from pdserve.common.attention.torch_backend import _prefill_one
+
+TOL = dict(atol=1e-5, rtol=1e-4)
+NUM_KV_HEADS = 2
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = cpu_native.load_cpu_kernels()
+    assert module is not None, "native CPU kernels failed to build"
+    if not module.fast_prefill:
+        pytest.skip("this CPU has no AVX2: the engine uses SDPA for prefill here")
+    return module
+
+
+def make_prefill_batch(chunks, head_dim, block_size, group, seed=0):
+    """chunks: (chunk length, context length) per request. Returns query [T, H, d], kv_cache
+    (scattered pages, garbage elsewhere), block_tables, seq_lens, query_start_loc."""
+    gen = torch.Generator().manual_seed(seed)
+    per_req = [-(-ctx // block_size) for _, ctx in chunks]
+    num_blocks = sum(per_req) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    kv_cache = 100 * torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, head_dim, generator=gen)
+    tables = torch.zeros(len(chunks), max(per_req), dtype=torch.int32)
+    used = 0
+    for i, ((_, ctx), nb) in enumerate(zip(chunks, per_req)):
+        tables[i, :nb] = perm[used:used + nb].int()
+        used += nb
+        flat = kv_cache[:, tables[i, :nb].long()].flatten(1, 2)
+        flat[:, :ctx] = torch.randn(2, ctx, NUM_KV_HEADS, head_dim, generator=gen)
+        kv_cache[:, tables[i, :nb].long()] = flat.view(2, nb, block_size, NUM_KV_HEADS,
+                                                       head_dim)
+    lens = [q for q, _ in chunks]
+    query = torch.randn(sum(lens), NUM_KV_HEADS * group, head_dim, generator=gen)
+    qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    seq_lens = torch.tensor([ctx for _, ctx in chunks], dtype=torch.int32)
+    return query, kv_cache, tables, seq_lens, qsl
+
+
+def reference(query, kv_cache, tables, seq_lens, qsl, first_req, scale):
+    out = torch.zeros_like(query)
+    bs = kv_cache.shape[2]
+    flat = kv_cache.view(2, -1, NUM_KV_HEADS, kv_cache.shape[4])
+    for r in range(first_req, len(seq_lens)):
+        s, e, ctx = qsl[r].item(), qsl[r + 1].item(), seq_lens[r].item()
+        slots = (tables[r].long()[:, None] * bs + torch.arange(bs)).flatten()[ctx - (e - s):ctx]
+        out[s:e] = _prefill_one(query[s:e], flat[0][slots], flat[1][slots], kv_cache, tables[r],
+                                ctx, scale)
+    return out
+
+
+SHAPES = [(64, 16, 3), (128, 32, 1), (64, 16, 8), (80, 16, 5)]
+
+
+@pytest.mark.parametrize("head_dim,block_size,group", SHAPES,
+                         ids=[f"d{d}-bs{b}-gqa{g}" for d, b, g in SHAPES])
+def test_chunks_with_and_without_prefix_match_reference(kernels, head_dim, block_size, group):
+    # whole prompts, chunks after a prefix (aligned or not), partial 16-token vectors, 1 token,
+    # and a context longer than several 64-key tiles
+    chunks = [(1, 1), (16, 16), (17, 17), (100, 100), (5, 37), (16, 16 + block_size),
+              (33, 777), (1, 300)]
+    query, kv, tables, lens, qsl = make_prefill_batch(chunks, head_dim, block_size, group)
+    scale = head_dim ** -0.5
+    out = torch.full_like(query, float("nan"))
+    kernels.paged_prefill(query, kv, tables, lens, qsl, 0, scale, out)
+    torch.testing.assert_close(out, reference(query, kv, tables, lens, qsl, 0, scale), **TOL)
+
+
+def test_rows_before_first_req_are_left_alone(kernels):
+    """The decode requests of a mixed batch come first; the kernel must not touch their rows."""
+    query, kv, tables, lens, qsl = make_prefill_batch([(1, 9), (1, 40), (20, 50)], 64, 16, 3)
+    out = torch.full_like(query, 7.0)
+    kernels.paged_prefill(query, kv, tables, lens, qsl, 2, 0.125, out)
+    assert torch.equal(out[:2], torch.full_like(out[:2], 7.0))
+    torch.testing.assert_close(out[2:], reference(query, kv, tables, lens, qsl, 2, 0.125)[2:],
+                               **TOL)
+
+
+def test_strided_query_rows(kernels):
+    query, kv, tables, lens, qsl = make_prefill_batch([(30, 30), (7, 70)], 64, 16, 3)
+    wide = torch.zeros(query.shape[0], query.shape[1] + 4, 64)
+    wide[:, :query.shape[1]] = query
+    strided = wide[:, :query.shape[1]]  # rows further apart than heads * d
+    out = torch.empty_like(query)
+    kernels.paged_prefill(strided, kv, tables, lens, qsl, 0, 0.125, out)
+    torch.testing.assert_close(out, reference(query, kv, tables, lens, qsl, 0, 0.125), **TOL)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_thread_count_does_not_change_the_result(kernels, threads):
+    query, kv, tables, lens, qsl = make_prefill_batch([(64, 64), (40, 200), (3, 3)], 64, 16, 3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.empty_like(query)
+        kernels.paged_prefill(query, kv, tables, lens, qsl, 0, 0.125, one)
+        torch.set_num_threads(threads)
+        many = torch.empty_like(query)
+        kernels.paged_prefill(query, kv, tables, lens, qsl, 0, 0.125, many)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)  # items are independent: no order-dependent reduction
+
+
+@pytest.mark.parametrize("break_it,match", [
+    (lambda t, l, q: l.__setitem__(0, 0), "seq_lens"),
+    (lambda t, l, q: t.__setitem__((1, 0), 10_000), "block_tables"),
+    (lambda t, l, q: q.__setitem__(1, q[2].item()), "chunk"),  # empty chunk
+    (lambda t, l, q: l.__setitem__(1, 3), "chunk"),  # chunk longer than its context
+])
+def test_bad_metadata_is_a_value_error(kernels, break_it, match):
+    query, kv, tables, lens, qsl = make_prefill_batch([(4, 4), (8, 20)], 64, 16, 3)
+    break_it(tables, lens, qsl)
+    with pytest.raises(ValueError, match=match):
+        kernels.paged_prefill(query, kv, tables, lens, qsl, 0, 0.125, torch.empty_like(query))
