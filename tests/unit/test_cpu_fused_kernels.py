@@ -131,3 +131,34 @@ def test_rms_norm_matches_torch(kernels, rows):
 def test_rms_norm_bad_weight(kernels):
     with pytest.raises(ValueError, match="weight"):
         kernels.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
+
+
+def test_kernels_release_the_gil(kernels):
+    """The services run the engine in a thread beside the asyncio loop: a long kernel must let
+    Python code in other threads run meanwhile. The main thread spins while a worker runs one
+    long prefill call; with the GIL held for the call, the spin loop would stall for all of it."""
+    if not kernels.fast_prefill:
+        pytest.skip("no AVX2: no native prefill kernel to run")
+    import threading
+    import time
+
+    from pdserve.tests.unit.test_cpu_prefill_attention import make_prefill_batch
+    query, kv, tables, lens, qsl = make_prefill_batch([(6000, 6000)], 64, 16, 3)
+    out = torch.empty_like(query)
+    call = {}
+
+    def run():
+        t0 = time.perf_counter()
+        kernels.paged_prefill(query, kv, tables, lens, qsl, 0, 0.125, out)
+        call["s"] = time.perf_counter() - t0
+
+    worker = threading.Thread(target=run)
+    last = time.perf_counter()
+    max_gap = 0.0
+    worker.start()
+    while worker.is_alive():
+        now = time.perf_counter()
+        max_gap, last = max(max_gap, now - last), now
+    worker.join()
+    assert call["s"] > 0.05, "the call is too short to tell"
+    assert max_gap < call["s"] / 2, (max_gap, call["s"])

@@ -144,22 +144,27 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Paged decode attention (CPU, fp32)",
+  // The GIL is released while a kernel runs: the engine may run two micro-batches' forwards in
+  // two threads at once (model_runner.py), and nothing here touches Python objects.
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_decode", &paged_decode, "Paged decode attention (CPU, fp32)", release(),
         py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("out") = py::none(),
         // kv heads per work item, 0 = auto (exposed for the benchmark and tests)
         py::arg("heads_per_item") = 0);
   m.def("paged_prefill", &paged_prefill,
-        "Paged prefill attention of requests first_req.. into out (CPU, fp32)", py::arg("query"),
+        "Paged prefill attention of requests first_req.. into out (CPU, fp32)", release(),
+        py::arg("query"),
         py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("first_req"), py::arg("scale"), py::arg("out"));
   m.def("attention_step", &attention_step,
         "Fused layer attention: rotary, KV write, paged decode + prefill attention (CPU, fp32)",
+        release(),
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"),
         py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("num_decodes"), py::arg("scale"),
         py::arg("num_heads"));
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)", py::arg("x"),
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)", release(), py::arg("x"),
         py::arg("weight"), py::arg("eps"));
 #if defined(__AVX512F__)
   m.attr("simd") = "avx512";
