@@ -2,6 +2,7 @@
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -42,22 +43,32 @@ def stack(tmp_path_factory):
 
 
 def test_bad_inputs_do_not_disturb_a_stream_in_flight(stack):
-    result = {}
+    """The bad requests go out once the stream's first token has arrived; the arrival times show
+    that tokens were still coming after the last of them was answered."""
+    result, first_token = {}, threading.Event()
 
     def long_stream():
         body = {"model": "tiny", "prompt": "steady", "max_tokens": 480, "ignore_eos": True,
                 "stream": True}
+        events, arrivals = [], []
         with httpx.stream("POST", stack.http_url + "/v1/completions", json=body,
                           timeout=60) as r:
-            events = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-        result["events"] = events
+            for ln in r.iter_lines():
+                if ln.startswith("data: "):
+                    events.append(ln)
+                    arrivals.append(time.monotonic())
+                    first_token.set()
+        result["events"], result["arrivals"] = events, arrivals
 
     t = threading.Thread(target=long_stream)
     t.start()
+    assert first_token.wait(30), "the stream produced nothing"
+    answered_at = []
     with httpx.Client(base_url=stack.http_url, timeout=30) as c:
         for path, body, status, param in CASES:
             content = body if isinstance(body, bytes) else json.dumps(body).encode()
             r = c.post(path, content=content, headers={"Content-Type": "application/json"})
+            answered_at.append(time.monotonic())
             assert r.status_code == status, (body, r.text)
             assert r.headers["content-type"] == "application/json", (body, r.text)
             err = r.json()["error"]
@@ -65,11 +76,16 @@ def test_bad_inputs_do_not_disturb_a_stream_in_flight(stack):
             if param is not None:
                 assert err["param"] == param, err
     t.join(60)
+    token_arrivals = result["arrivals"][:-2]  # before the final chunk and [DONE]
+    # every bad request was answered while tokens were still coming (here: all 16 in ~20 ms of
+    # a ~350 ms stream)
+    assert token_arrivals[-1] > answered_at[-1], "the stream ended before the bad requests did"
     events = result["events"]
     assert events[-1] == "data: [DONE]"
     last = json.loads(events[-2][6:])
     assert last["choices"][0]["finish_reason"] == "length"
-    assert sum(len(json.loads(e[6:])["choices"][0]["text"]) > 0 for e in events[:-1]) > 0
+    texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
+    assert sum(len(x) > 0 for x in texts) > 0
 
 
 def test_openai_client_raises_typed_errors(stack):
