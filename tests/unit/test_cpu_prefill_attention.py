@@ -63,7 +63,7 @@ def reference(query, kv_cache, tables, seq_lens, qsl, first_req, scale):
     return out
 
 
-SHAPES = [(64, 16, 3), (128, 32, 1), (64, 16, 8), (80, 16, 5)]
+SHAPES = [(64, 16, 3), (128, 32, 1), (64, 16, 8), (80, 16, 5), (36, 8, 2)]  # 36: d % 8 != 0
 
 
 @pytest.mark.parametrize("head_dim,block_size,group", SHAPES,
