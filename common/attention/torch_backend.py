@@ -121,7 +121,8 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.num_reqs == n_dec:
             return out
         native = _native_module(query, kv_cache, meta)
-        if native is not None and native.fast_prefill and meta.query_start_loc.dtype == torch.int32:
+        if (native is not None and native.fast_prefill and out.is_contiguous()
+                and meta.query_start_loc.dtype == torch.int32):
             native.paged_prefill(query, kv_cache, meta.block_tables, meta.seq_lens,
                                  meta.query_start_loc, n_dec, float(scale), out)
             return out

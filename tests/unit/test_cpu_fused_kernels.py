@@ -108,15 +108,36 @@ def test_fused_forward_declines_an_empty_batch(kernels):
                                                  0.125, heads) is None
 
 
-def test_attention_step_rejects_bad_slots(kernels):
-    qkv, (cos, sin), kv_cache, meta, heads, _ = _step_case([5, 9], [], 64, 16, 3)
+def _break_slot(meta, kv_cache, heads):
     meta.slot_mapping[1] = kv_cache.shape[1] * kv_cache.shape[2]  # one past the last slot
+    return heads
+
+
+def _break_table(meta, kv_cache, heads):
+    meta.block_tables[1, 0] = kv_cache.shape[1]  # a block the cache does not have
+    return heads
+
+
+def _break_start_loc(meta, kv_cache, heads):
+    meta.query_start_loc[1] = 2  # the first request is a decode: one row
+    return heads
+
+
+@pytest.mark.parametrize("break_it,match", [
+    (_break_slot, "slot_mapping"), (_break_table, "block_tables"),
+    (_break_start_loc, "query_start_loc"),
+    (lambda meta, kv_cache, heads: heads - 1, "kv heads")])  # not a multiple of kv heads
+def test_attention_step_checks_everything_before_writing(kernels, break_it, match):
+    qkv, (cos, sin), kv_cache, meta, heads, _ = _step_case([5, 9], [(4, 20)], 64, 16, 3)
+    heads = break_it(meta, kv_cache, heads)
     before = kv_cache.clone()
-    with pytest.raises(ValueError, match="slot_mapping"):
-        kernels.attention_step(qkv, cos.reshape(2, -1), sin.reshape(2, -1), kv_cache,
-                               meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                               meta.query_start_loc, 2, 0.125, heads)
-    assert torch.equal(kv_cache, before)  # checked before anything is written
+    t = meta.num_tokens
+    with pytest.raises(ValueError, match=match):
+        kernels.attention_step(qkv if heads == 6 else qkv[:, :-64], cos.reshape(t, -1),
+                               sin.reshape(t, -1), kv_cache, meta.slot_mapping,
+                               meta.block_tables, meta.seq_lens, meta.query_start_loc, 2, 0.125,
+                               heads)
+    assert torch.equal(kv_cache, before)  # nothing was written
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])

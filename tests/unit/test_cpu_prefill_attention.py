@@ -71,13 +71,18 @@ SHAPES = [(64, 16, 3), (128, 32, 1), (64, 16, 8), (80, 16, 5), (36, 8, 2)]  # 36
 def test_chunks_with_and_without_prefix_match_reference(kernels, head_dim, block_size, group):
     # whole prompts, chunks after a prefix (aligned or not), partial 16-token vectors, 1 token,
     # and a context longer than several 64-key tiles
+    # (20, 70): token vectors of 8 (AVX2) and 16 that straddle a 64-key tile boundary
     chunks = [(1, 1), (16, 16), (17, 17), (100, 100), (5, 37), (16, 16 + block_size),
-              (33, 777), (1, 300)]
+              (33, 777), (20, 70), (1, 300)]
     query, kv, tables, lens, qsl = make_prefill_batch(chunks, head_dim, block_size, group)
     scale = head_dim ** -0.5
-    out = torch.full_like(query, float("nan"))
+    # rows after the last request's stay as they are: no lane writes past a chunk's end
+    buf = torch.full((query.shape[0] + 16, *query.shape[1:]), 7.0)
+    out = buf[:query.shape[0]]
+    out.fill_(float("nan"))
     kernels.paged_prefill(query, kv, tables, lens, qsl, 0, scale, out)
     torch.testing.assert_close(out, reference(query, kv, tables, lens, qsl, 0, scale), **TOL)
+    assert torch.equal(buf[query.shape[0]:], torch.full_like(buf[query.shape[0]:], 7.0))
 
 
 def test_rows_before_first_req_are_left_alone(kernels):
@@ -100,15 +105,14 @@ def test_strided_query_rows(kernels):
     torch.testing.assert_close(out, reference(query, kv, tables, lens, qsl, 0, 0.125), **TOL)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_thread_count_does_not_change_the_result(kernels, threads):
+def test_thread_count_does_not_change_the_result(kernels):
     query, kv, tables, lens, qsl = make_prefill_batch([(64, 64), (40, 200), (3, 3)], 64, 16, 3)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = torch.empty_like(query)
         kernels.paged_prefill(query, kv, tables, lens, qsl, 0, 0.125, one)
-        torch.set_num_threads(threads)
+        torch.set_num_threads(2)
         many = torch.empty_like(query)
         kernels.paged_prefill(query, kv, tables, lens, qsl, 0, 0.125, many)
     finally:
@@ -121,9 +125,26 @@ def test_thread_count_does_not_change_the_result(kernels, threads):
     (lambda t, l, q: t.__setitem__((1, 0), 10_000), "block_tables"),
     (lambda t, l, q: q.__setitem__(1, q[2].item()), "chunk"),  # empty chunk
     (lambda t, l, q: l.__setitem__(1, 3), "chunk"),  # chunk longer than its context
+    (lambda t, l, q: q.__setitem__(2, 13), "chunk"),  # past the last query row
+    (lambda t, l, q: q.__setitem__(0, -1), "chunk"),
 ])
 def test_bad_metadata_is_a_value_error(kernels, break_it, match):
     query, kv, tables, lens, qsl = make_prefill_batch([(4, 4), (8, 20)], 64, 16, 3)
     break_it(tables, lens, qsl)
     with pytest.raises(ValueError, match=match):
         kernels.paged_prefill(query, kv, tables, lens, qsl, 0, 0.125, torch.empty_like(query))
+
+
+def test_bad_shapes_are_value_errors(kernels):
+    query, kv, tables, lens, qsl = make_prefill_batch([(4, 4), (8, 20)], 64, 16, 3)
+    out = torch.empty_like(query)
+    for first_req in (-1, 3):
+        with pytest.raises(ValueError, match="first_req"):
+            kernels.paged_prefill(query, kv, tables, lens, qsl, first_req, 0.125, out)
+    with pytest.raises(ValueError, match="kv heads"):  # no kv heads: not a division by zero
+        kernels.paged_prefill(query, kv[:, :, :, :0], tables, lens, qsl, 0, 0.125, out)
+    with pytest.raises(ValueError, match="kv heads"):  # 6 query heads over 4 kv heads
+        kernels.paged_prefill(query, torch.zeros(2, 8, 16, 4, 64), tables, lens, qsl, 0, 0.125,
+                              out)
+    with pytest.raises(ValueError, match="disagree"):
+        kernels.paged_prefill(query, kv, tables, lens[:1], qsl, 0, 0.125, out)

@@ -26,6 +26,48 @@ inline void check_metadata(const int32_t* tables, const int32_t* lens, int64_t n
   }
 }
 
+// The int32 metadata of a batch of R requests, checked before it is read: block_tables [R, W],
+// seq_lens [R], query_start_loc [R + 1] (when given), contiguous CPU tensors, and every used
+// block id inside the cache.
+inline void check_batch_metadata(const char* fn, const at::Tensor& block_tables,
+                                 const at::Tensor& seq_lens, const at::Tensor* query_start_loc,
+                                 int64_t block_size, int64_t num_blocks) {
+  for (const at::Tensor* t : {&block_tables, &seq_lens, query_start_loc})
+    if (t != nullptr)
+      TORCH_CHECK_VALUE(t->scalar_type() == at::kInt && t->is_contiguous() &&
+                            t->device().is_cpu(),
+                        fn, ": block_tables, seq_lens and query_start_loc must be contiguous "
+                        "int32 CPU tensors");
+  TORCH_CHECK_VALUE(seq_lens.dim() == 1 && block_tables.dim() == 2 &&
+                        block_tables.size(0) == seq_lens.size(0) &&
+                        (query_start_loc == nullptr ||
+                         (query_start_loc->dim() == 1 &&
+                          query_start_loc->size(0) == seq_lens.size(0) + 1)),
+                    fn, ": block_tables [R, W], seq_lens [R] and query_start_loc [R + 1] "
+                    "disagree: ", block_tables.sizes(), ", ", seq_lens.sizes());
+  check_metadata(block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                 seq_lens.size(0), block_tables.size(1), block_size, num_blocks);
+}
+
+// The prefill chunks of requests first .. R - 1: each non-empty, inside the num_rows query rows
+// and no longer than its context (its last token sits at position seq_len - 1).
+inline void check_chunks(const char* fn, const int32_t* qsl, const int32_t* lens, int64_t first,
+                         int64_t num_reqs, int64_t num_rows) {
+  for (int64_t r = first; r < num_reqs; ++r) {
+    const int64_t begin = qsl[r], end = qsl[r + 1];
+    TORCH_CHECK_VALUE(begin >= 0 && end > begin && end <= num_rows && end - begin <= lens[r],
+                      fn, ": request ", r, "'s chunk [", begin, ", ", end,
+                      ") must be non-empty, within the ", num_rows,
+                      " query rows and no longer than its context ", lens[r]);
+  }
+}
+
+// heads query heads over kv_heads kv heads (GQA groups of heads / kv_heads)
+inline void check_heads(const char* fn, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK_VALUE(kv_heads >= 1 && heads >= 1 && heads % kv_heads == 0, fn, ": heads (",
+                    heads, ") must be a positive multiple of kv heads (", kv_heads, ")");
+}
+
 }  // namespace pdserve_kernels
 
 // paged_attention.cpp

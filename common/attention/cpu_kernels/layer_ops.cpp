@@ -61,22 +61,36 @@ at::Tensor attention_step(const at::Tensor& qkv, const at::Tensor& cos, const at
                     "attention_step: kv_cache must be a contiguous float32 CPU tensor "
                     "[2, blocks, block_size, kv_heads, head_dim], got ", kv_cache.sizes());
   const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), kvh = kv_cache.size(3);
-  const int64_t d = kv_cache.size(4), n = qkv.size(0), num_reqs = seq_lens.size(0);
+  const int64_t d = kv_cache.size(4);
   TORCH_CHECK_VALUE(d % 2 == 0, "attention_step: head_dim must be even, got ", d);
+  pdserve_kernels::check_heads("attention_step", num_heads, kvh);
   TORCH_CHECK_VALUE(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.device().is_cpu() &&
                         qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * kvh) * d,
                     "attention_step: qkv must be float32 CPU [T, (heads + 2 kv_heads) head_dim] "
                     "with unit column stride, got ", qkv.sizes());
+  const int64_t n = qkv.size(0);
   for (const at::Tensor* t : {&cos, &sin})
     TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->is_contiguous() &&
                           t->numel() == n * d && t->device().is_cpu(),
                       "attention_step: cos and sin must be contiguous float32 [T, head_dim]");
   TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                        slot_mapping.numel() == n,
-                    "attention_step: slot_mapping must be contiguous int64 [T]");
-  TORCH_CHECK_VALUE(num_decodes >= 0 && num_decodes <= num_reqs && num_decodes <= n,
-                    "attention_step: num_decodes = ", num_decodes, " must be in [0, ",
-                    std::min(num_reqs, n), "]");
+                        slot_mapping.device().is_cpu() && slot_mapping.numel() == n,
+                    "attention_step: slot_mapping must be contiguous int64 CPU [T]");
+  // everything the attention will read is checked here, before the cache is written
+  pdserve_kernels::check_batch_metadata("attention_step", block_tables, seq_lens,
+                                        &query_start_loc, bs, num_blocks);
+  const int64_t num_reqs = seq_lens.size(0);
+  TORCH_CHECK_VALUE(num_decodes >= 0 && num_decodes <= num_reqs, "attention_step: num_decodes = ",
+                    num_decodes, " must be in [0, ", num_reqs, "]");
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  // decode r is query row r; the chunks after them end at the last row
+  for (int64_t r = 0; r <= num_decodes; ++r)
+    TORCH_CHECK_VALUE(qsl[r] == r, "attention_step: query_start_loc[", r, "] = ", qsl[r],
+                      ", but the first ", num_decodes, " requests are one-token decodes");
+  TORCH_CHECK_VALUE(qsl[num_reqs] == n, "attention_step: query_start_loc[", num_reqs, "] = ",
+                    qsl[num_reqs], " must be the token count ", n);
+  pdserve_kernels::check_chunks("attention_step", qsl, seq_lens.data_ptr<int32_t>(), num_decodes,
+                                num_reqs, n);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r)
     TORCH_CHECK_VALUE(slots[r] >= 0 && slots[r] < num_blocks * bs, "attention_step: "
@@ -123,7 +137,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
                     x.sizes());
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == n && w.scalar_type() == at::kFloat &&
-                        w.is_contiguous(),
+                        w.is_contiguous() && w.device().is_cpu(),
                     "rms_norm: weight must be contiguous float32 [", n, "], got ", w.sizes());
   at::Tensor y = at::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -144,8 +158,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // The GIL is released while a kernel runs: the engine may run two micro-batches' forwards in
-  // two threads at once (model_runner.py), and nothing here touches Python objects.
+  // The GIL is released while a kernel runs (nothing here touches Python objects): the services
+  // run the engine in a thread beside their asyncio loop, which goes on meanwhile.
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("paged_decode", &paged_decode, "Paged decode attention (CPU, fp32)", release(),
         py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),

@@ -268,32 +268,23 @@ void paged_prefill(const at::Tensor& query_in, const at::Tensor& kv_cache,
                     "[2, blocks, block_size, kv_heads, head_dim], got ", kv_cache.sizes());
   const int64_t heads = query.size(1), d = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), kvh = kv_cache.size(3);
-  TORCH_CHECK_VALUE(heads % kvh == 0, "paged_prefill: heads (", heads,
-                    ") must be a multiple of kv heads (", kvh, ")");
+  pdserve_kernels::check_heads("paged_prefill", heads, kvh);
+  pdserve_kernels::check_batch_metadata("paged_prefill", block_tables, seq_lens,
+                                        &query_start_loc, bs, num_blocks);
   const int64_t num_reqs = seq_lens.size(0);
-  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc})
-    TORCH_CHECK_VALUE(t->scalar_type() == at::kInt && t->is_contiguous() && t->device().is_cpu(),
-                      "paged_prefill: block_tables, seq_lens and query_start_loc must be "
-                      "contiguous int32 CPU tensors");
-  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == num_reqs &&
-                        query_start_loc.numel() == num_reqs + 1 && first_req >= 0 &&
-                        first_req <= num_reqs,
-                    "paged_prefill: block_tables [R, W], seq_lens [R], query_start_loc [R + 1] "
-                    "and 0 <= first_req <= R disagree");
+  TORCH_CHECK_VALUE(first_req >= 0 && first_req <= num_reqs, "paged_prefill: first_req = ",
+                    first_req, " must be in [0, ", num_reqs, "]");
   TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.is_contiguous() &&
-                        out.sizes() == query.sizes(),
-                    "paged_prefill: out must be contiguous float32 of query's shape");
+                        out.device().is_cpu() && out.sizes() == query.sizes(),
+                    "paged_prefill: out must be a contiguous float32 CPU tensor of query's "
+                    "shape");
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  pdserve_kernels::check_metadata(tables, lens, num_reqs, block_tables.size(1), bs, num_blocks);
+  pdserve_kernels::check_chunks("paged_prefill", qsl, lens, first_req, num_reqs, query.size(0));
   std::vector<Item> items;
   for (int64_t r = first_req; r < num_reqs; ++r) {
-    const int64_t q_len = qsl[r + 1] - qsl[r];
-    TORCH_CHECK_VALUE(q_len >= 1 && q_len <= lens[r] && qsl[r] >= 0 && qsl[r + 1] <= query.size(0),
-                      "paged_prefill: request ", r, "'s chunk [", qsl[r], ", ", qsl[r + 1],
-                      ") must be non-empty, within the ", query.size(0),
-                      " query rows and no longer than its context ", lens[r]);
+    const int64_t q_len = static_cast<int64_t>(qsl[r + 1]) - qsl[r];
     for (int64_t first = 0; first < q_len; first += kW)
       for (int64_t h = 0; h < kvh; ++h)
         items.push_back({r, h, qsl[r], q_len, first, lens[r] - q_len + first});
