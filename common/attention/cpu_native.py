@@ -38,6 +38,7 @@ KERNEL_DIR = Path(__file__).resolve().parent / "cpu_kernels"
 SOURCES = tuple(KERNEL_DIR / n for n in ("paged_attention.cpp", "prefill_attention.cpp",
                                            "layer_ops.cpp"))
 _OK_MARKER = "BUILD_OK"  # written after a successful build: the .so is complete and loads
+ISA_CHOICES = ("native", "avx2", "scalar")  # PDSERVE_CPU_ISA
 
 
 def _cpu_flags() -> set[str]:
@@ -54,12 +55,18 @@ def _cpu_flags() -> set[str]:
 def compile_flags() -> list[str]:
     """-O3, plus AVX2/FMA code when this CPU has both, and AVX-512 (the prefill kernel's 16-lane
     vectors) when it has that too. -fopenmp always: at::parallel_for is an inline OpenMP loop in
-    torch's headers, serial without it."""
+    torch's headers, serial without it.
+
+    PDSERVE_CPU_ISA=avx2|scalar caps the instruction set (default `native`: the best this CPU
+    has), so the narrower builds can be tested on a wider machine; each gets its own cache."""
+    isa = os.environ.get("PDSERVE_CPU_ISA", "native")
+    if isa not in ISA_CHOICES:
+        raise ValueError(f"PDSERVE_CPU_ISA must be one of {', '.join(ISA_CHOICES)}, got {isa!r}")
     flags = ["-O3", "-fopenmp"]
     cpu = _cpu_flags()
-    if {"avx2", "fma"} <= cpu:
+    if isa != "scalar" and {"avx2", "fma"} <= cpu:
         flags += ["-mavx2", "-mfma"]
-        if "avx512f" in cpu:
+        if isa == "native" and "avx512f" in cpu:
             flags += ["-mavx512f"]
     return flags
 

@@ -375,8 +375,8 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
   // below this many (token, kv head) rows a decode runs on one thread (~3 MiB of fp32 KV)
   constexpr int64_t kSerialKvRows = 8192;
   const int64_t width = tables.size(1);
-  pdserve_kernels::check_metadata(tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), num_reqs, width, bs,
-                 num_blocks);
+  pdserve_kernels::check_metadata(tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), num_reqs,
+                                  width, bs, num_blocks);
 
   const float* kv = kv_cache.data_ptr<float>();
   const DecodeProblem p{q.data_ptr<float>(), q.stride(0), kv, kv + num_blocks * bs * kvh * d,

@@ -33,16 +33,27 @@
 
 namespace {
 
+// Query tokens per vector, and the vector registers the tiles below budget for.
 #ifdef __AVX512F__
-constexpr int kW = 16;  // query tokens per vector
+constexpr int kW = 16, kRegs = 32;
 #else
-constexpr int kW = 8;  // AVX2 (the loader only uses this kernel with AVX2 or AVX-512)
+constexpr int kW = 8, kRegs = 16;  // AVX2 (the loader only uses this kernel with AVX2 or wider)
 #endif
 typedef float vf __attribute__((vector_size(kW * 4)));
 typedef int32_t vi __attribute__((vector_size(kW * 4)));
 
 constexpr int64_t kKT = 64;  // keys per softmax tile
-constexpr int kMaxGC = 4;    // query heads per pass (register budget of the tiles below)
+constexpr int kMaxGC = kRegs >= 32 ? 4 : 3;  // query heads per pass
+
+// Register tiles that fit: qk_tile holds keys x GC accumulators, GC queries and `keys`
+// broadcasts; pv_tile holds GC x dims accumulators, GC weights and one broadcast.
+// (With AVX-512 and G = 3: 4 keys and 8 dims; with AVX2: 3 keys and 4 dims.)
+constexpr int qk_keys(int gc) {
+  return 4 * gc + gc + 4 <= kRegs ? 4 : 3 * gc + gc + 3 <= kRegs ? 3 : 2;
+}
+constexpr int pv_dims(int gc) {
+  return 8 * gc + gc + 1 <= kRegs ? 8 : 4 * gc + gc + 1 <= kRegs ? 4 : 2;
+}
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 inline vf vload(const float* p) {
@@ -105,26 +116,26 @@ struct Scratch {
       : qt(kMaxGC * d), s(kMaxGC * kKT), o(kMaxGC * d), krow(kKT), vrow(kKT) {}
 };
 
-// s[g][jj] = sum_c qt[g][c] * K[jj][c], four keys at a time (4 x GC accumulators in registers)
+// s[g][jj] = sum_c qt[g][c] * K[jj][c], KJ keys at a time (KJ x GC accumulators in registers)
 template <int GC>
 void qk_tile(const vf* qt, int64_t d, const float* const* krow, int64_t n, vf* s) {
+  constexpr int KJ = qk_keys(GC);
   int64_t jj = 0;
-  for (; jj + 4 <= n; jj += 4) {
-    vf a[4][GC] = {};
-    const float *k0 = krow[jj], *k1 = krow[jj + 1], *k2 = krow[jj + 2], *k3 = krow[jj + 3];
+  for (; jj + KJ <= n; jj += KJ) {
+    vf a[KJ][GC] = {};
     for (int64_t c = 0; c < d; ++c) {
-      const vf b0 = splat(k0[c]), b1 = splat(k1[c]), b2 = splat(k2[c]), b3 = splat(k3[c]);
+      vf b[KJ];
+#pragma GCC unroll 4
+      for (int u = 0; u < KJ; ++u) b[u] = splat(krow[jj + u][c]);
 #pragma GCC unroll 4
       for (int g = 0; g < GC; ++g) {
         const vf q = qt[g * d + c];
-        a[0][g] += q * b0;
-        a[1][g] += q * b1;
-        a[2][g] += q * b2;
-        a[3][g] += q * b3;
+#pragma GCC unroll 4
+        for (int u = 0; u < KJ; ++u) a[u][g] += q * b[u];
       }
     }
     for (int g = 0; g < GC; ++g)
-      for (int u = 0; u < 4; ++u) s[g * kKT + jj + u] = a[u][g];
+      for (int u = 0; u < KJ; ++u) s[g * kKT + jj + u] = a[u][g];
   }
   for (; jj < n; ++jj) {
     vf a[GC] = {};
@@ -136,26 +147,27 @@ void qk_tile(const vf* qt, int64_t d, const float* const* krow, int64_t n, vf* s
   }
 }
 
-// o[g][c] += sum_jj s[g][jj] * V[jj][c], eight dims x GC heads of accumulators in registers
+// o[g][c] += sum_jj s[g][jj] * V[jj][c], CD dims x GC heads of accumulators in registers
 template <int GC>
 void pv_tile(const vf* s, int64_t d, const float* const* vrow, int64_t n, vf* o) {
+  constexpr int CD = pv_dims(GC);
   int64_t c0 = 0;
-  for (; c0 + 8 <= d; c0 += 8) {
-    vf a[GC][8];
+  for (; c0 + CD <= d; c0 += CD) {
+    vf a[GC][CD];
     for (int g = 0; g < GC; ++g)
-      for (int u = 0; u < 8; ++u) a[g][u] = o[g * d + c0 + u];
+      for (int u = 0; u < CD; ++u) a[g][u] = o[g * d + c0 + u];
     for (int64_t jj = 0; jj < n; ++jj) {
       const float* v = vrow[jj] + c0;
       vf p[GC];
       for (int g = 0; g < GC; ++g) p[g] = s[g * kKT + jj];
 #pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u) {
+      for (int u = 0; u < CD; ++u) {
         const vf b = splat(v[u]);
         for (int g = 0; g < GC; ++g) a[g][u] += p[g] * b;
       }
     }
     for (int g = 0; g < GC; ++g)
-      for (int u = 0; u < 8; ++u) o[g * d + c0 + u] = a[g][u];
+      for (int u = 0; u < CD; ++u) o[g * d + c0 + u] = a[g][u];
   }
   for (; c0 < d; ++c0)
     for (int64_t jj = 0; jj < n; ++jj) {
@@ -207,7 +219,8 @@ void heads_pass(const Problem& p, const Item& it, int64_t g0, Scratch& sc) {
       sc.qt[g * d + c] = vload(col);
     }
   vi pos;
-  for (int t = 0; t < kW; ++t) pos[t] = static_cast<int32_t>(it.pos0 + std::min<int64_t>(t, nt - 1));
+  for (int t = 0; t < kW; ++t)
+    pos[t] = static_cast<int32_t>(it.pos0 + std::min<int64_t>(t, nt - 1));
   vf m[GC], l[GC];
   for (int g = 0; g < GC; ++g) m[g] = splat(-kInf), l[g] = splat(0.f);
   std::fill(sc.o.begin(), sc.o.begin() + GC * d, splat(0.f));
@@ -242,7 +255,7 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
       case 1: heads_pass<1>(p, it, g0, sc); break;
       case 2: heads_pass<2>(p, it, g0, sc); break;
       case 3: heads_pass<3>(p, it, g0, sc); break;
-      default: heads_pass<4>(p, it, g0, sc); break;
+      default: heads_pass<kMaxGC>(p, it, g0, sc); break;
     }
   }
 }
