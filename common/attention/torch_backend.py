@@ -75,7 +75,7 @@ def _prefill_one(q, k_new, v_new, kv_cache, block_table, seq_len, scale):
 
 
 def _native_module(query, kv_cache, meta: AttentionMetadata):
-    """The native kernels when they apply to these tensors, else None (use `_decode`)."""
+    """The native kernels when they apply to these tensors, else None (use the torch paths)."""
     if (query.device.type != "cpu" or kv_cache.device.type != "cpu"
             or query.dtype != torch.float32 or kv_cache.dtype != torch.float32
             or not kv_cache.is_contiguous() or meta.block_tables.dtype != torch.int32
@@ -110,8 +110,8 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, query, key, value, kv_cache, meta, scale):
         out = torch.empty_like(query)
         n_dec = meta.num_decodes
+        native = _native_module(query, kv_cache, meta)
         if n_dec:
-            native = _native_module(query, kv_cache, meta)
             dec_out = out[:n_dec]
             if native is not None and dec_out.is_contiguous():
                 native.paged_decode(query[:n_dec], kv_cache, meta.block_tables[:n_dec],
@@ -120,7 +120,6 @@ class TorchAttentionBackend(AttentionBackend):
                 dec_out[:] = _decode(query[:n_dec], kv_cache, meta, scale)
         if meta.num_reqs == n_dec:
             return out
-        native = _native_module(query, kv_cache, meta)
         if (native is not None and native.fast_prefill and out.is_contiguous()
                 and meta.query_start_loc.dtype == torch.int32):
             native.paged_prefill(query, kv_cache, meta.block_tables, meta.seq_lens,

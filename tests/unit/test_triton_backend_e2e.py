@@ -1,6 +1,8 @@
 """The tiny model generates the same greedy tokens with the Triton backend (interpreted on the
-CPU) as with the torch backend: prefill without and with a cached prefix, chunked prefill, and
-decode steps that cross block boundaries."""
+CPU) as with the torch backend, and with the native CPU kernels (fused layer step, paged decode
+and prefill attention, RMSNorm) as with torch ops alone: prefill without and with a cached
+prefix, chunked prefill, mixed decode + prefill steps, and decode steps that cross block
+boundaries."""
 
 from __future__ import annotations
 
@@ -34,3 +36,9 @@ def test_triton_matches_torch_greedy():
     got = _generate("triton")
     assert got == expect
     assert all(len(t) == 8 for t in got)
+
+
+def test_native_cpu_kernels_match_the_torch_ops(monkeypatch):
+    native = _generate("torch")
+    monkeypatch.setenv("PDSERVE_NO_NATIVE", "1")  # SDPA, torch rotary, index_copy, RMSNorm ops
+    assert _generate("torch") == native
