@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
+from pdserve.bench.attention_cpu import time_ms
 from pdserve.common.attention.cpu_native import load_cpu_kernels
-from pdserve.common.attention.torch_backend import _prefill_one
+from pdserve.common.attention.torch_backend import prefill_reference
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 CASES = [("prompt 256 x8", 256, 0, 8), ("prompt 1024 x2", 1024, 0, 2),
@@ -40,28 +39,6 @@ def make_case(chunk: int, prefix: int, n: int, seed: int = 0):
     return query, kv, tables.contiguous(), lens, qsl
 
 
-def sdpa_all(query, kv, tables, lens, qsl, scale):
-    out = torch.empty_like(query)
-    flat = kv.view(2, -1, KV_HEADS, HEAD_DIM)
-    for r in range(len(lens)):
-        s, e, ctx = int(qsl[r]), int(qsl[r + 1]), int(lens[r])
-        slots = (tables[r].long()[:, None] * BLOCK + torch.arange(BLOCK)).flatten()
-        slots = slots[ctx - (e - s):ctx]
-        out[s:e] = _prefill_one(query[s:e], flat[0][slots], flat[1][slots], kv, tables[r], ctx,
-                                scale)
-    return out
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
@@ -79,9 +56,11 @@ def main(argv=None) -> None:
     for name, chunk, prefix, n in CASES:
         query, kv, tables, lens, qsl = make_case(chunk, prefix, n)
         out = torch.empty_like(query)
-        run_native = lambda: native.paged_prefill(query, kv, tables, lens, qsl, 0, scale, out)  # noqa: E731
-        sdpa = median_ms(lambda: sdpa_all(query, kv, tables, lens, qsl, scale), args.reps)
-        nat = median_ms(run_native, args.reps)
+        # one cache: a prefill reads K/V the same layer's step has just written
+        sdpa, _ = time_ms(lambda c: prefill_reference(query, c, tables, lens, qsl, 0, scale),
+                          [kv], args.reps)
+        nat, _ = time_ms(lambda c: native.paged_prefill(query, c, tables, lens, qsl, 0, scale,
+                                                        out), [kv], args.reps)
         pairs = n * sum(prefix + i + 1 for i in range(chunk))  # (query, visible key) pairs
         rows.append(dict(case=name, sdpa_ms=round(sdpa, 3), native_ms=round(nat, 3),
                          speedup=round(sdpa / nat, 2),

@@ -74,6 +74,24 @@ def _prefill_one(q, k_new, v_new, kv_cache, block_table, seq_len, scale):
     return out[0].transpose(0, 1)
 
 
+def prefill_reference(query, kv_cache, block_tables, seq_lens, query_start_loc, first_req,
+                      scale):
+    """`_prefill_one` (SDPA) for each of requests first_req .. R - 1 in turn, their new K/V read
+    back from the cache: the torch reference of the native paged prefill, and the per-request
+    path it replaced. Returns [T, heads, d]; rows before first_req's chunk are zero."""
+    out = torch.zeros_like(query)
+    bs = kv_cache.shape[2]
+    flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])  # [2, slots, kvh, d]
+    loc, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for r in range(first_req, len(lens)):
+        s, e, ctx = loc[r], loc[r + 1], lens[r]
+        slots = block_tables[r].long()[:, None] * bs + torch.arange(bs, device=kv_cache.device)
+        slots = slots.flatten()[ctx - (e - s):ctx]  # the chunk's tokens: the context's last
+        out[s:e] = _prefill_one(query[s:e], flat[0][slots], flat[1][slots], kv_cache,
+                                block_tables[r], ctx, scale)
+    return out
+
+
 def _native_module(query, kv_cache, meta: AttentionMetadata):
     """The native kernels when they apply to these tensors, else None (use the torch paths)."""
     if (query.device.type != "cpu" or kv_cache.device.type != "cpu"

@@ -13,7 +13,8 @@ import torch
 
 from pdserve.common.attention import cpu_native
 from pdserve.common.attention.backend import AttentionMetadata
-from pdserve.common.attention.torch_backend import TorchAttentionBackend, _decode, _prefill_one
+from pdserve.common.attention.torch_backend import (TorchAttentionBackend, _decode,
+                                                     prefill_reference)
 from pdserve.common.config import RopeScaling
 from pdserve.common.models.rope import RotaryEmbedding
 from pdserve.tests.unit.test_cpu_paged_attention import NUM_KV_HEADS, make_decode_batch
@@ -53,18 +54,12 @@ def _step_case(lens, chunks, head_dim, block_size, group):
 
 
 def _sdpa_attention(q, kv_cache, meta, scale):
-    """The torch reference for every request: `_decode` and `_prefill_one` (SDPA)."""
-    out = torch.empty_like(q)
+    """The torch reference for every request: `_decode`, then SDPA per prefill chunk."""
     n = meta.num_decodes
+    out = prefill_reference(q, kv_cache, meta.block_tables, meta.seq_lens,
+                            meta.query_start_loc, n, scale)
     if n:
         out[:n] = _decode(q[:n], kv_cache, meta, scale)
-    loc = meta.query_start_loc.tolist()
-    flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
-    for i in range(n, meta.num_reqs):
-        s, e = loc[i], loc[i + 1]
-        slots = meta.slot_mapping[s:e]
-        out[s:e] = _prefill_one(q[s:e], flat[0][slots], flat[1][slots], kv_cache,
-                                meta.block_tables[i], meta.seq_lens_cpu[i], scale)
     return out
 
 

@@ -1,5 +1,6 @@
 """Native CPU paged prefill attention (cpu_kernels/prefill_attention.cpp) against the torch
-reference `_prefill_one` (causal SDPA; a gather and an offset mask for chunks with a prefix).
+reference `prefill_reference` (`_prefill_one`, causal SDPA per request; an offset mask for
+chunks with a prefix).
 
 Tolerance: fp32 atol 1e-5 / rtol 1e-4, as for the decode kernel: only the summation order (online
 softmax over 64-key tiles) and a ~1 ulp polynomial exp differ. Slots a request does not own hold
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.common.attention import cpu_native
-from pdserve.common.attention.torch_backend import _prefill_one
+from pdserve.common.attention.torch_backend import prefill_reference as reference
 
 TOL = dict(atol=1e-5, rtol=1e-4)
 NUM_KV_HEADS = 2
@@ -49,18 +50,6 @@ def make_prefill_batch(chunks, head_dim, block_size, group, seed=0):
     qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     seq_lens = torch.tensor([ctx for _, ctx in chunks], dtype=torch.int32)
     return query, kv_cache, tables, seq_lens, qsl
-
-
-def reference(query, kv_cache, tables, seq_lens, qsl, first_req, scale):
-    out = torch.zeros_like(query)
-    bs = kv_cache.shape[2]
-    flat = kv_cache.view(2, -1, NUM_KV_HEADS, kv_cache.shape[4])
-    for r in range(first_req, len(seq_lens)):
-        s, e, ctx = qsl[r].item(), qsl[r + 1].item(), seq_lens[r].item()
-        slots = (tables[r].long()[:, None] * bs + torch.arange(bs)).flatten()[ctx - (e - s):ctx]
-        out[s:e] = _prefill_one(query[s:e], flat[0][slots], flat[1][slots], kv_cache, tables[r],
-                                ctx, scale)
-    return out
 
 
 SHAPES = [(64, 16, 3), (128, 32, 1), (64, 16, 8), (80, 16, 5), (36, 8, 2)]  # 36: d % 8 != 0

@@ -346,8 +346,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
   const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), kvh = kv_cache.size(3);
   TORCH_CHECK_VALUE(kv_cache.size(4) == d, "paged_decode: head_dim mismatch: query ", d,
                     ", kv_cache ", kv_cache.size(4));
-  TORCH_CHECK_VALUE(kvh >= 1 && heads % kvh == 0, "paged_decode: heads (", heads,
-                    ") must be a multiple of kv heads (", kvh, ")");
+  pdserve_kernels::check_heads("paged_decode", heads, kvh);
   TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == num_reqs,
                     "paged_decode: block_tables must be [D, W] with D = ", num_reqs, ", got ",
                     block_tables.sizes());
