@@ -165,8 +165,8 @@ def _setup_logging() -> None:
 
 
 def _run_engine(args) -> int:
-    from pdserve.services.common.engine_server import run_engine_server
-    from pdserve.services.common.engine_service_config import EngineServiceConfig
+    from pdserve.services.engine_host.engine_server import run_engine_server
+    from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
 
     _setup_logging()
     _registry_env(args)

@@ -19,10 +19,10 @@ import grpc
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
 from pdserve.common.telemetry.tracing import server_span
-from pdserve.services.common.async_engine import AsyncEngine, EngineDeadError
+from pdserve.services.engine_host.async_engine import AsyncEngine, EngineDeadError
 from pdserve.services.common.convert import output_to_proto, params_from_proto
-from pdserve.services.common.engine_telemetry import DECODE_RPC, EngineTelemetry, finish_decode
-from pdserve.services.common.health import InstanceInfo, health_response, load_response
+from pdserve.services.engine_host.engine_telemetry import DECODE_RPC, EngineTelemetry, finish_decode
+from pdserve.services.engine_host.health import InstanceInfo, health_response, load_response
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):

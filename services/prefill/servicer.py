@@ -20,12 +20,12 @@ from pdserve.common.engine.outputs import FinishReason
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
 from pdserve.common.telemetry.tracing import server_span
-from pdserve.services.common.async_engine import AsyncEngine, EngineDeadError
+from pdserve.services.engine_host.async_engine import AsyncEngine, EngineDeadError
 from pdserve.services.common.convert import (FINISH_TO_PROTO, logprob_to_proto,
                                              params_from_proto)
-from pdserve.services.common.engine_telemetry import PREFILL_RPC, EngineTelemetry, finish_prefill
-from pdserve.services.common.health import InstanceInfo, health_response, load_response
-from pdserve.services.common.request_stream import merge_outputs
+from pdserve.services.engine_host.engine_telemetry import PREFILL_RPC, EngineTelemetry, finish_prefill
+from pdserve.services.engine_host.health import InstanceInfo, health_response, load_response
+from pdserve.services.engine_host.request_stream import merge_outputs
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):

@@ -23,7 +23,7 @@ import uvicorn
 
 from pdserve.common.rpc import router_pb2_grpc as pb_grpc
 from pdserve.common.telemetry.metrics import RouterMetrics
-from pdserve.services.common.engine_server import wait_for_signal
+from pdserve.services.common.signals import wait_for_signal
 from pdserve.services.router.backends import BackendPool
 from pdserve.services.registry.config import RegistryConfig
 from pdserve.services.router.config import RouterConfig

@@ -13,8 +13,8 @@ from pdserve.common.kv.block_hash import chain_seed, hash_blocks
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.services.common.engine_server import build_core, start_engine_server
-from pdserve.services.common.engine_service_config import EngineServiceConfig
+from pdserve.services.engine_host.engine_server import build_core, start_engine_server
+from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
 from pdserve.services.kvstore.config import MasterConfig, NodeConfig
 from pdserve.services.kvstore.master_service import start_master
 from pdserve.services.kvstore.node import start_node

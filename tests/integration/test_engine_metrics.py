@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
 from pdserve.common.telemetry.tracing import client_span, inject_metadata, setup_tracing
-from pdserve.services.common.engine_server import start_engine_server
-from pdserve.services.common.engine_service_config import EngineServiceConfig
+from pdserve.services.engine_host.engine_server import start_engine_server
+from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
 from pdserve.services.launcher import free_port
 
 PROMPT = list(range(40, 80))  # 40 tokens: two full blocks of 16, cached after the first call

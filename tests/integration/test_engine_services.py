@@ -9,8 +9,8 @@ import torch
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.services.common.engine_server import start_engine_server
-from pdserve.services.common.engine_service_config import EngineServiceConfig
+from pdserve.services.engine_host.engine_server import start_engine_server
+from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
 from pdserve.tests.integration.services_helpers import offline_engine
 
 PROMPT = [72, 101, 108, 108, 111, 32, 119]

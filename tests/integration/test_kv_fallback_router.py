@@ -14,8 +14,8 @@ from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
 from pdserve.common.rpc import router_pb2, router_pb2_grpc
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.services.common.engine_server import build_core, start_engine_server
-from pdserve.services.common.engine_service_config import EngineServiceConfig
+from pdserve.services.engine_host.engine_server import build_core, start_engine_server
+from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
 from pdserve.services.launcher import free_port
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.server import start_router

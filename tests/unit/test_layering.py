@@ -42,3 +42,21 @@ def test_router_does_not_import_engine_code():
                  "pdserve.common.kv.kv_cache_manager",
                  "pdserve.common.attention", "pdserve.services.decode", "pdserve.services.prefill")
     assert offenders("services/router", forbidden, ROUTER_MAY_USE) == []
+
+
+def test_router_kvstore_and_cli_import_no_torch():
+    """The router, the KV store and `pdserve --help` run without the engine: importing them must
+    not pull torch in (it costs ~1.5 s and hundreds of MB per process)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, importlib\n"
+            "for m in ('pdserve.services.router.server', 'pdserve.services.kvstore.cli',\n"
+            "          'pdserve.services.kvstore.master_service', 'pdserve.services.cli_serve',\n"
+            "          'pdserve.cli', 'pdserve.services.common.signals'):\n"
+            "    importlib.import_module(m)\n"
+            "heavy = [m for m in ('torch', 'pdserve.services.engine_host.async_engine')\n"
+            "         if m in sys.modules]\n"
+            "print(','.join(heavy))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

@@ -7,8 +7,8 @@ import pytest
 
 from pdserve.common.engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.services.common.async_engine import AsyncEngine, EngineDeadError
-from pdserve.services.common.request_stream import RequestStream
+from pdserve.services.engine_host.async_engine import AsyncEngine, EngineDeadError
+from pdserve.services.engine_host.request_stream import RequestStream
 from pdserve.tests.unit.fake_engine import FakeEngineCore
 
 

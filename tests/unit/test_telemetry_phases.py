@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve.common.engine.request import RequestStatus as S
-from pdserve.services.common.phases import queue_span, request_phases
-from pdserve.services.common.request_timeline import RequestTimeline, TimelineTracker
+from pdserve.services.engine_host.phases import queue_span, request_phases
+from pdserve.services.engine_host.request_timeline import RequestTimeline, TimelineTracker
 
 
 def _core(**reqs):

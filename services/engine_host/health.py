@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.common.rpc import engine_pb2 as pb
-from pdserve.services.common.async_engine import AsyncEngine
+from pdserve.services.engine_host.async_engine import AsyncEngine
 from pdserve.services.common.convert import kv_stats_to_proto, stats_to_proto
 
 ROLES = ("unified", "prefill", "decode")

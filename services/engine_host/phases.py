@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from pdserve.services.common.request_timeline import RequestTimeline
+from pdserve.services.engine_host.request_timeline import RequestTimeline
 
 _NS = 1e-9
 

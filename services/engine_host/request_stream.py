@@ -14,7 +14,7 @@ import collections
 from typing import Callable, Optional
 
 from pdserve.common.engine.outputs import RequestOutput
-from pdserve.services.common.request_timeline import RequestTimeline
+from pdserve.services.engine_host.request_timeline import RequestTimeline
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:

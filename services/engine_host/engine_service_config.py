@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.services.common.health import ROLES
-from pdserve.services.common.kv_connector_factory import ROLE_TO_KV, KVStoreSettings
+from pdserve.services.engine_host.health import ROLES
+from pdserve.services.engine_host.kv_connector_factory import ROLE_TO_KV, KVStoreSettings
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from typing import Optional
 
 from pdserve.common.engine.outputs import EngineStats, FinishReason, RequestOutput
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.services.common.request_stream import RequestStream
-from pdserve.services.common.request_timeline import TimelineTracker
+from pdserve.services.engine_host.request_stream import RequestStream
+from pdserve.services.engine_host.request_timeline import TimelineTracker
 from pdserve.services.registry.engine_snapshot import SUMMARY_PERIOD_S, cache_summary
 
 log = logging.getLogger(__name__)

@@ -13,20 +13,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 from dataclasses import dataclass
 from typing import Optional
 
 import grpc
 
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
+from pdserve.services.common.signals import wait_for_signal
 from pdserve.common.telemetry.engine_metrics import EngineMetrics
 from pdserve.common.telemetry.tracing import Tracing, setup_tracing
-from pdserve.services.common.async_engine import AsyncEngine
-from pdserve.services.common.engine_telemetry import EngineTelemetry
-from pdserve.services.common.engine_service_config import EngineServiceConfig
-from pdserve.services.common.health import InstanceInfo
-from pdserve.services.common.kv_connector_factory import connector_factory
+from pdserve.services.engine_host.async_engine import AsyncEngine
+from pdserve.services.engine_host.engine_telemetry import EngineTelemetry
+from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
+from pdserve.services.engine_host.health import InstanceInfo
+from pdserve.services.engine_host.kv_connector_factory import connector_factory
 
 log = logging.getLogger(__name__)
 
@@ -104,14 +104,6 @@ async def start_engine_server(cfg: EngineServiceConfig, core,
             raise
     await server.start()
     return RunningEngineServer(server, engine, port, metrics, metrics_http)
-
-
-async def wait_for_signal() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
 
 
 async def run_engine_server(cfg: EngineServiceConfig) -> None:

@@ -13,8 +13,8 @@ from typing import Optional
 
 from pdserve.common.telemetry.engine_metrics import EngineMetrics
 from pdserve.common.telemetry.tracing import record_span
-from pdserve.services.common.phases import Interval, Phases, queue_span, request_phases
-from pdserve.services.common.request_timeline import RequestTimeline
+from pdserve.services.engine_host.phases import Interval, Phases, queue_span, request_phases
+from pdserve.services.engine_host.request_timeline import RequestTimeline
 
 PREFILL_RPC = "pdserve.v1.PrefillService/Prefill"
 DECODE_RPC = "pdserve.v1.DecodeService/Decode"
