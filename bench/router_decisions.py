@@ -11,14 +11,14 @@ import time
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.telemetry.metrics import RouterMetrics
-from pdserve.services.router.backends import BackendPool
-from pdserve.services.router.candidate import RouteRequest
+from pdserve.services.router.routing.backends import BackendPool
+from pdserve.services.router.routing.candidate import RouteRequest
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.gate import Gate
-from pdserve.services.router.job import Choice, Job
-from pdserve.services.router.policies import make_policy
-from pdserve.services.router.request_meta import RequestMeta
-from pdserve.services.router.requests import block_keys
+from pdserve.services.router.admission.gate import Gate
+from pdserve.services.router.dispatch.job import Choice, Job
+from pdserve.services.router.routing.policies import make_policy
+from pdserve.services.router.api.request_meta import RequestMeta
+from pdserve.services.router.dispatch.requests import block_keys
 
 
 def _pool(cfg: RouterConfig, metrics: RouterMetrics, n: int) -> BackendPool:
@@ -57,7 +57,7 @@ async def _decisions(cfg: RouterConfig, n_instances: int, prompts: list) -> list
 
 def time_decisions(policy: str, n_instances: int, n: int, prompt_tokens: int) -> list[float]:
     """Seconds per decision; prompts share prefixes in groups (as chat traffic does)."""
-    from pdserve.services.router.routing_config import RoutingConfig
+    from pdserve.services.router.routing.routing_config import RoutingConfig
 
     cfg = RouterConfig(model="fake", routing=RoutingConfig(decode_policy=policy))
     prompts = [[(i % 32) + 1] * (prompt_tokens - 8) + [i % 251, i % 7, 3, 4, 5, 6, 7, 8]

@@ -12,7 +12,7 @@ import sys
 async def serve(n: int, policy: str) -> None:
     from pdserve.bench.router_fakes import FakeInstance
     from pdserve.services.router.config import RouterConfig
-    from pdserve.services.router.routing_config import RoutingConfig
+    from pdserve.services.router.routing.routing_config import RoutingConfig
     from pdserve.services.router.server import start_router
 
     fakes = [await FakeInstance.start() for _ in range(n)]

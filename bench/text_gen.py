@@ -27,6 +27,6 @@ class RandomText:
 
 def load_tokenizer(model: str):
     """The served model's tokenizer (no weights read): 'tiny', 'smollm2', a GGUF or HF dir."""
-    from pdserve.services.router.tokenizer_loader import load_tokenizer as load
+    from pdserve.services.router.api.tokenizer_loader import load_tokenizer as load
 
     return load(model)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.services.router.admission_config import AdmissionConfig
+from pdserve.services.router.admission.admission_config import AdmissionConfig
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.fallback_config import FallbackConfig
-from pdserve.services.router.routing_config import POLICIES, CostWeights, RoutingConfig
+from pdserve.services.router.dispatch.fallback_config import FallbackConfig
+from pdserve.services.router.routing.routing_config import POLICIES, CostWeights, RoutingConfig
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -22,7 +22,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--decode-policy", choices=POLICIES, default="kv_aware")
     r.add_argument("--prefill-policy", choices=POLICIES, default="kv_aware")
     r.add_argument("--kv-cost-weights", default="", help="store_hit=0.8,queue=1,running=16,"
-                   "kv_usage=256 (any subset; see services/router/cost.py)")
+                   "kv_usage=256 (any subset; see services/router/routing/cost.py)")
     r.add_argument("--session-affinity", action="store_true",
                    help="the same `user` / affinity header goes to the same instance")
     r.add_argument("--affinity-header", default="x-session-id")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.services.router.admission_config import AdmissionConfig
-from pdserve.services.router.fallback_config import FallbackConfig
-from pdserve.services.router.routing_config import RoutingConfig
+from pdserve.services.router.admission.admission_config import AdmissionConfig
+from pdserve.services.router.dispatch.fallback_config import FallbackConfig
+from pdserve.services.router.routing.routing_config import RoutingConfig
 
 
 @dataclass(frozen=True)

@@ -24,18 +24,18 @@ import uvicorn
 from pdserve.common.rpc import router_pb2_grpc as pb_grpc
 from pdserve.common.telemetry.metrics import RouterMetrics
 from pdserve.services.common.signals import wait_for_signal
-from pdserve.services.router.backends import BackendPool
+from pdserve.services.router.routing.backends import BackendPool
 from pdserve.services.registry.config import RegistryConfig
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.dns_watch import DnsWatcher, split_dns
-from pdserve.services.router.gate import Gate
-from pdserve.services.router.policies import make_policy
-from pdserve.services.router.registry_watch import RegistryWatcher
-from pdserve.services.router.router_tracing import setup_router_tracing
-from pdserve.services.router.grpc_servicer import RouterServicer
-from pdserve.services.router.http_app import build_app
+from pdserve.services.router.routing.dns_watch import DnsWatcher, split_dns
+from pdserve.services.router.admission.gate import Gate
+from pdserve.services.router.routing.policies import make_policy
+from pdserve.services.router.routing.registry_watch import RegistryWatcher
+from pdserve.services.router.api.router_tracing import setup_router_tracing
+from pdserve.services.router.api.grpc_servicer import RouterServicer
+from pdserve.services.router.api.http_app import build_app
 from pdserve.services.router.state import RouterState
-from pdserve.services.router.tokenizer_loader import load_tokenizer
+from pdserve.services.router.api.tokenizer_loader import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +126,8 @@ async def _watchers(cfg: RouterConfig, decode: BackendPool, prefill) -> tuple:
 
 
 def _disagg_router(cfg: RouterConfig, state: RouterState, metrics: RouterMetrics):
-    from pdserve.services.router.disagg import DisaggRouter
-    from pdserve.services.router.kv_lookup import StoreIndex
+    from pdserve.services.router.dispatch.disagg import DisaggRouter
+    from pdserve.services.router.routing.kv_lookup import StoreIndex
 
     prefill = _pool(cfg, metrics, cfg.prefill_backends, "prefill")
     index = StoreIndex(cfg.kv_store, metrics, cfg.kv_lookup_timeout_s)

@@ -9,16 +9,16 @@ from typing import Optional
 
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.telemetry.metrics import RouterMetrics
-from pdserve.services.router.backends import BackendPool
-from pdserve.services.router.candidate import RouteRequest
+from pdserve.services.router.routing.backends import BackendPool
+from pdserve.services.router.routing.candidate import RouteRequest
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.decode_open import DecodeTarget, open_decode
-from pdserve.services.router.errors import model_not_found
-from pdserve.services.router.job import Job
-from pdserve.services.router.job_run import JobRun
-from pdserve.services.router.openai_format import TokenText
-from pdserve.services.router.request_meta import RequestMeta
-from pdserve.services.router.requests import EngineRequest, block_keys, decode_request
+from pdserve.services.router.dispatch.decode_open import DecodeTarget, open_decode
+from pdserve.services.router.api.errors import model_not_found
+from pdserve.services.router.dispatch.job import Job
+from pdserve.services.router.dispatch.job_run import JobRun
+from pdserve.services.router.api.openai_format import TokenText
+from pdserve.services.router.api.request_meta import RequestMeta
+from pdserve.services.router.dispatch.requests import EngineRequest, block_keys, decode_request
 
 
 @dataclass(frozen=True)

@@ -261,7 +261,7 @@ def test_container_args_parse_and_listen_where_declared(chart, scenario):
 
 @pytest.mark.parametrize("scenario", ["default", "everything"])
 def test_probes_use_real_health_endpoints(chart, scenario):
-    from pdserve.services.router.http_app import build_app
+    from pdserve.services.router.api.http_app import build_app
 
     routes = {r.path for r in build_app(object()).routes}
     docs, _ = render(chart, SCENARIOS[scenario])
@@ -392,7 +392,7 @@ def test_api_keys_secret_and_servicemonitor(chart):
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     endpoint = sm["spec"]["endpoints"][0]
     assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]}
-    from pdserve.services.router.http_app import build_app
+    from pdserve.services.router.api.http_app import build_app
 
     assert endpoint["path"] in {r.path for r in build_app(object()).routes}
     assert svc["spec"]["type"] == "LoadBalancer" and "loadBalancer.ingress" in notes

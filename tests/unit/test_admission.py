@@ -6,13 +6,13 @@ import asyncio
 import pytest
 
 from pdserve.common.telemetry.metrics import RouterMetrics
-from pdserve.services.router.admission import AdmissionController
-from pdserve.services.router.admission_config import AdmissionConfig
-from pdserve.services.router.api_keys import bearer, check_key, load_api_keys
-from pdserve.services.router.errors import APIError
-from pdserve.services.router.prefill_rate import PrefillRate
-from pdserve.services.router.rate_limit import KeyedRateLimiter
-from pdserve.services.router.request_meta import meta_from_headers
+from pdserve.services.router.admission.admission import AdmissionController
+from pdserve.services.router.admission.admission_config import AdmissionConfig
+from pdserve.services.router.admission.api_keys import bearer, check_key, load_api_keys
+from pdserve.services.router.api.errors import APIError
+from pdserve.services.router.admission.prefill_rate import PrefillRate
+from pdserve.services.router.admission.rate_limit import KeyedRateLimiter
+from pdserve.services.router.api.request_meta import meta_from_headers
 
 
 def run(coro, timeout=5.0):

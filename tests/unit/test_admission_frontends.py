@@ -11,7 +11,7 @@ import httpx
 from pdserve.bench.router_fakes import FakeInstance
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import router_pb2, router_pb2_grpc
-from pdserve.services.router.admission_config import AdmissionConfig
+from pdserve.services.router.admission.admission_config import AdmissionConfig
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.server import start_router
 from pdserve.tests.unit.fake_engine import FakeTokenizer

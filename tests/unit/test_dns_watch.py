@@ -1,10 +1,10 @@
-"""`--backends dns:NAME:PORT` (services/router/dns_watch.py): parsing, resolution into the pool,
+"""`--backends dns:NAME:PORT` (services/router/routing/dns_watch.py): parsing, resolution into the pool,
 periodic re-resolution, and a failed lookup keeping the last answer."""
 
 import asyncio
 import socket
 
-from pdserve.services.router.dns_watch import DnsWatcher, split_dns
+from pdserve.services.router.routing.dns_watch import DnsWatcher, split_dns
 
 
 class FakePool:

@@ -5,9 +5,9 @@ import pytest
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.services.common.convert import params_from_proto, params_to_proto
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.errors import APIError
-from pdserve.services.router.openai_jobs import chat_job, completion_job
-from pdserve.services.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.services.router.api.errors import APIError
+from pdserve.services.router.api.openai_jobs import chat_job, completion_job
+from pdserve.services.router.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.services.router.state import RouterState
 from pdserve.tests.unit.fake_engine import FakeTokenizer
 

@@ -5,13 +5,13 @@ import collections
 
 import pytest
 
-from pdserve.services.router.breaker import CircuitBreaker
-from pdserve.services.router.candidate import Candidate, RouteRequest
-from pdserve.services.router.cost import kv_cost
-from pdserve.services.router.policies import (Affinity, KVAware, LeastLoad, PowerOfTwo,
+from pdserve.services.router.routing.breaker import CircuitBreaker
+from pdserve.services.router.routing.candidate import Candidate, RouteRequest
+from pdserve.services.router.routing.cost import kv_cost
+from pdserve.services.router.routing.policies import (Affinity, KVAware, LeastLoad, PowerOfTwo,
                                               RoundRobin, make_policy)
-from pdserve.services.router.prefix_memory import PrefixMemory
-from pdserve.services.router.routing_config import CostWeights, RoutingConfig
+from pdserve.services.router.routing.prefix_memory import PrefixMemory
+from pdserve.services.router.routing.routing_config import CostWeights, RoutingConfig
 
 
 def inst(name, active=0, queue=0, usage=0.0, local=0):

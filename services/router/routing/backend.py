@@ -19,7 +19,7 @@ import grpc
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
 from pdserve.services.registry.record import PREFIX_BYTES
-from pdserve.services.router.breaker import CircuitBreaker
+from pdserve.services.router.routing.breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
 

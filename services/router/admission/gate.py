@@ -5,13 +5,13 @@ admission Ticket the request holds until its first token."""
 from __future__ import annotations
 
 from pdserve.common.telemetry.metrics import RouterMetrics
-from pdserve.services.router.admission import AdmissionController, Ticket
-from pdserve.services.router.api_keys import check_key, load_api_keys
+from pdserve.services.router.admission.admission import AdmissionController, Ticket
+from pdserve.services.router.admission.api_keys import check_key, load_api_keys
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.errors import APIError, too_many
-from pdserve.services.router.job import Job, prompt_tokens
-from pdserve.services.router.rate_limit import KeyedRateLimiter
-from pdserve.services.router.request_meta import RequestMeta
+from pdserve.services.router.api.errors import APIError, too_many
+from pdserve.services.router.dispatch.job import Job, prompt_tokens
+from pdserve.services.router.admission.rate_limit import KeyedRateLimiter
+from pdserve.services.router.api.request_meta import RequestMeta
 
 
 class Gate:

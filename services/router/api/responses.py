@@ -11,11 +11,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
-from pdserve.services.router import openai_format as fmt
-from pdserve.services.router.engine_stream import Delta
-from pdserve.services.router.errors import APIError
-from pdserve.services.router.job import prompt_tokens
-from pdserve.services.router.job_run import JobRun
+from pdserve.services.router.api import openai_format as fmt
+from pdserve.services.router.dispatch.engine_stream import Delta
+from pdserve.services.router.api.errors import APIError
+from pdserve.services.router.dispatch.job import prompt_tokens
+from pdserve.services.router.dispatch.job_run import JobRun
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.services.router.errors import bad_request
+from pdserve.services.router.api.errors import bad_request
 
 
 def build_sampling_params(body, max_tokens: int, logprobs: Optional[int],

@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 from typing import Optional
 
-from pdserve.services.router.engine_stream import Delta
+from pdserve.services.router.dispatch.engine_stream import Delta
 
 
 class HandOffStream:

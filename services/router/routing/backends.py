@@ -24,13 +24,13 @@ import grpc
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.telemetry.metrics import RouterMetrics
 from pdserve.services.common.periodic import Periodic
-from pdserve.services.router.backend import Backend, Lease
-from pdserve.services.router.breaker import CircuitBreaker
-from pdserve.services.router.candidate import Candidate, RouteRequest
-from pdserve.services.router.errors import unavailable
-from pdserve.services.router.fallback_config import FallbackConfig
-from pdserve.services.router.policies import RoundRobin
-from pdserve.services.router.prefix_memory import PrefixMemory
+from pdserve.services.router.routing.backend import Backend, Lease
+from pdserve.services.router.routing.breaker import CircuitBreaker
+from pdserve.services.router.routing.candidate import Candidate, RouteRequest
+from pdserve.services.router.api.errors import unavailable
+from pdserve.services.router.dispatch.fallback_config import FallbackConfig
+from pdserve.services.router.routing.policies import RoundRobin
+from pdserve.services.router.routing.prefix_memory import PrefixMemory
 
 log = logging.getLogger(__name__)
 _RETIRE_S = 60.0

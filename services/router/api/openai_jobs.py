@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pdserve.services.router.errors import bad_request
-from pdserve.services.router.job import Job, fan_out
-from pdserve.services.router.openai_protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.services.router.prompts import (chat_prompt, check_length, completion_prompts,
+from pdserve.services.router.api.errors import bad_request
+from pdserve.services.router.dispatch.job import Job, fan_out
+from pdserve.services.router.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.services.router.api.prompts import (chat_prompt, check_length, completion_prompts,
                                              message_dicts)
-from pdserve.services.router.sampling import build_sampling_params
+from pdserve.services.router.api.sampling import build_sampling_params
 from pdserve.services.router.state import RouterState
 
 

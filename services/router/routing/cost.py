@@ -14,8 +14,8 @@ with fewer active requests. Defaults are in routing_config.CostWeights.
 
 from __future__ import annotations
 
-from pdserve.services.router.candidate import Candidate, RouteRequest
-from pdserve.services.router.routing_config import CostWeights
+from pdserve.services.router.routing.candidate import Candidate, RouteRequest
+from pdserve.services.router.routing.routing_config import CostWeights
 
 
 def new_tokens(c: Candidate, req: RouteRequest, w: CostWeights) -> float:

@@ -20,8 +20,8 @@ import grpc
 from pdserve.common.engine.outputs import TokenLogprob
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.services.common.convert import FINISH_FROM_PROTO, logprob_from_proto
-from pdserve.services.router.backend import Backend
-from pdserve.services.router.errors import APIError, from_backend, unavailable
+from pdserve.services.router.routing.backend import Backend
+from pdserve.services.router.api.errors import APIError, from_backend, unavailable
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pdserve.common.telemetry.metrics import RouterMetrics
-from pdserve.services.router.admission_config import AdmissionConfig
-from pdserve.services.router.errors import too_many
-from pdserve.services.router.prefill_rate import PrefillRate
+from pdserve.services.router.admission.admission_config import AdmissionConfig
+from pdserve.services.router.api.errors import too_many
+from pdserve.services.router.admission.prefill_rate import PrefillRate
 
 
 @dataclass(order=True)

@@ -18,13 +18,13 @@ from typing import Optional, Sequence
 
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.telemetry.metrics import RouterMetrics
-from pdserve.services.router.backend import Backend, Lease
-from pdserve.services.router.backends import BackendPool
-from pdserve.services.router.candidate import RouteRequest
-from pdserve.services.router.engine_stream import Delta, EngineStream
-from pdserve.services.router.errors import APIError
-from pdserve.services.router.fallback_config import FallbackConfig
-from pdserve.services.router.router_tracing import decode_span, outgoing_metadata
+from pdserve.services.router.routing.backend import Backend, Lease
+from pdserve.services.router.routing.backends import BackendPool
+from pdserve.services.router.routing.candidate import RouteRequest
+from pdserve.services.router.dispatch.engine_stream import Delta, EngineStream
+from pdserve.services.router.api.errors import APIError
+from pdserve.services.router.dispatch.fallback_config import FallbackConfig
+from pdserve.services.router.api.router_tracing import decode_span, outgoing_metadata
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from pdserve.services.router.errors import APIError, bad_request
-from pdserve.services.router.job_run import JobRun
-from pdserve.services.router.request_meta import meta_from_headers
-from pdserve.services.router.router_tracing import request_span
-from pdserve.services.router.openai_jobs import chat_job, completion_job
-from pdserve.services.router.openai_protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.services.router.responses import (ChatFormat, CompletionFormat, collect,
+from pdserve.services.router.api.errors import APIError, bad_request
+from pdserve.services.router.dispatch.job_run import JobRun
+from pdserve.services.router.api.request_meta import meta_from_headers
+from pdserve.services.router.api.router_tracing import request_span
+from pdserve.services.router.api.openai_jobs import chat_job, completion_job
+from pdserve.services.router.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.services.router.api.responses import (ChatFormat, CompletionFormat, collect,
                                                new_meta, stream_events)
 from pdserve.services.router.state import RouterState
 

@@ -17,9 +17,9 @@ import itertools
 import random
 from typing import Optional, Sequence
 
-from pdserve.services.router.candidate import Candidate, RouteRequest
-from pdserve.services.router.cost import kv_cost
-from pdserve.services.router.routing_config import CostWeights, RoutingConfig
+from pdserve.services.router.routing.candidate import Candidate, RouteRequest
+from pdserve.services.router.routing.cost import kv_cost
+from pdserve.services.router.routing.routing_config import CostWeights, RoutingConfig
 
 
 def _load_key(c: Candidate) -> tuple:

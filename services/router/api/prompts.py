@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pdserve.services.router.errors import bad_request
+from pdserve.services.router.api.errors import bad_request
 
 
 def completion_prompts(prompt, tokenizer) -> list[list[int]]:

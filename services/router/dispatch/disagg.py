@@ -30,17 +30,17 @@ import grpc
 
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.services.common.convert import FINISH_FROM_PROTO, logprob_from_proto
-from pdserve.services.router.backend import Backend
-from pdserve.services.router.backends import BackendPool
-from pdserve.services.router.candidate import RouteRequest
+from pdserve.services.router.routing.backend import Backend
+from pdserve.services.router.routing.backends import BackendPool
+from pdserve.services.router.routing.candidate import RouteRequest
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.decode_open import DecodeTarget, open_decode
-from pdserve.services.router.engine_stream import Delta
-from pdserve.services.router.errors import APIError, from_backend
-from pdserve.services.router.handoff_stream import HandOffStream
-from pdserve.services.router.kv_lookup import StoreIndex
-from pdserve.services.router.requests import EngineRequest, block_keys, decode_request
-from pdserve.services.router.router_tracing import outgoing_metadata, prefill_span
+from pdserve.services.router.dispatch.decode_open import DecodeTarget, open_decode
+from pdserve.services.router.dispatch.engine_stream import Delta
+from pdserve.services.router.api.errors import APIError, from_backend
+from pdserve.services.router.dispatch.handoff_stream import HandOffStream
+from pdserve.services.router.routing.kv_lookup import StoreIndex
+from pdserve.services.router.dispatch.requests import EngineRequest, block_keys, decode_request
+from pdserve.services.router.api.router_tracing import outgoing_metadata, prefill_span
 
 log = logging.getLogger(__name__)
 _CLIENT_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 from typing import Optional
 
-from pdserve.services.router.errors import unauthorized
+from pdserve.services.router.api.errors import unauthorized
 
 
 def load_api_keys(path: str) -> frozenset[str]:

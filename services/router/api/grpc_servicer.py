@@ -11,11 +11,11 @@ from pdserve.common.rpc import router_pb2 as pb
 from pdserve.common.rpc import router_pb2_grpc as pb_grpc
 from pdserve.services.common.convert import (FINISH_FROM_PROTO, logprob_to_proto,
                                              params_from_proto)
-from pdserve.services.router.errors import APIError, bad_request
-from pdserve.services.router.job import Choice, Job
-from pdserve.services.router.prompts import chat_prompt, check_length
-from pdserve.services.router.request_meta import meta_from_headers, metadata_getter
-from pdserve.services.router.router_tracing import request_span
+from pdserve.services.router.api.errors import APIError, bad_request
+from pdserve.services.router.dispatch.job import Choice, Job
+from pdserve.services.router.api.prompts import chat_prompt, check_length
+from pdserve.services.router.api.request_meta import meta_from_headers, metadata_getter
+from pdserve.services.router.api.router_tracing import request_span
 from pdserve.services.router.state import RouterState
 
 _FINISH_TO_PROTO = {r.value: code for code, r in FINISH_FROM_PROTO.items() if r is not None}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.services.router.errors import bad_request
+from pdserve.services.router.api.errors import bad_request
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from pdserve.services.common.periodic import Periodic
 from pdserve.services.registry.config import RegistryConfig
 from pdserve.services.registry.record import InstanceRecord
-from pdserve.services.router.backend import InstanceLoad
+from pdserve.services.router.routing.backend import InstanceLoad
 
 log = logging.getLogger(__name__)
 POOL_OF_ROLE = {"unified": "decode", "decode": "decode", "prefill": "prefill"}

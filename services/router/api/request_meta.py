@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from pdserve.services.router.api_keys import bearer
-from pdserve.services.router.errors import bad_request
+from pdserve.services.router.admission.api_keys import bearer
+from pdserve.services.router.api.errors import bad_request
 
 PRIORITY_RANGE = (-1000, 1000)
 

@@ -16,8 +16,8 @@ import time
 from typing import Optional
 
 from pdserve.common.telemetry.metrics import RouterMetrics
-from pdserve.services.router.engine_stream import Delta
-from pdserve.services.router.job import Job
+from pdserve.services.router.dispatch.engine_stream import Delta
+from pdserve.services.router.dispatch.job import Job
 
 _DONE = object()
 

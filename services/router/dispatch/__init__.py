@@ -1,0 +1,1 @@
+"""Dispatch: running an admitted request on engines (colocated or disaggregated) and streaming its deltas back."""
