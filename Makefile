@@ -9,11 +9,10 @@ PYTEST_ARGS ?=
 run: setup
 	.venv/bin/pdserve up --mode disagg --model smollm2
 
-# A test that fails is run once more on its own before the run counts as failed: a few
-# integration tests that start processes fail rarely and only inside the full suite (a child
-# gRPC server exits during startup); see the note on issue 2. A real failure fails twice.
+# No rerun: a red test fails the run. (The old startup flake was fork() with a preexec_fn in a
+# threaded test process; children now start through services/exec_tied.py, never a preexec_fn.)
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS) || $(PY) -m pytest -q --last-failed $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 setup: $(STAMP)
 
