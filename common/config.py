@@ -127,6 +127,38 @@ class SchedulerConfig:
                      self.max_num_batched_tokens)
 
 
+AllReduceName = Literal["auto", "shm", "gloo"]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one engine spreads its model over processes (docs/parallelism.md).
+
+    tensor_parallel_size: ranks that each hold 1/T of every layer's heads and features (and of
+    the KV cache); the engine process is rank 0 and starts T-1 workers.
+    pipeline_parallel_size: not implemented; only 1 is accepted.
+    all_reduce: how CPU ranks sum partial results: "shm" (shared memory between the ranks on
+    this host), "gloo" (torch.distributed), "auto" (shm on the CPU, the group's backend on
+    CUDA).
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    all_reduce: AllReduceName = "auto"
+
+    def __post_init__(self):
+        _require(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size", "in [1, 64]",
+                 self.tensor_parallel_size)
+        _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", ">= 1",
+                 self.pipeline_parallel_size)
+        if self.pipeline_parallel_size != 1:
+            raise NotImplementedError(
+                "pipeline_parallel_size > 1 is not implemented yet (issue 15); use "
+                "tensor_parallel_size to split a model across processes")
+        _require(self.all_reduce in ("auto", "shm", "gloo"), "all_reduce",
+                 "one of auto, shm, gloo", self.all_reduce)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything `LLM` / `EngineCore` need: which model, how to cache, how to schedule."""
@@ -134,10 +166,11 @@ class EngineConfig:
     model: str = "smollm2"  # "smollm2", "tiny", a GGUF file or a Hugging Face directory
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_backend: AttentionBackendName = "auto"
     device: str = "cpu"
     cpu_gemm: str = "auto"  # auto | onednn | torch: how linears multiply on the CPU (cpu_gemm.py)
-    num_threads: Optional[int] = None  # torch threads; None -> leave torch's default
+    num_threads: Optional[int] = None  # torch threads (per rank); None -> torch's default
     seed: int = 0
     tiny_model_seed: int = 0  # for model == "tiny"
 

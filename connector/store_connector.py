@@ -12,7 +12,7 @@ headers and puts the objects while the engine computes on. The request's blocks 
 recomputation.
 
 Consumer (decode): `get_num_new_matched_tokens` asks the store how many of the request's next
-blocks exist (a prefix lookup; a caller's hint in request.kv_params["block_keys"] saves it);
+blocks exist (a prefix lookup; a caller's hint in request.kv_transfer.block_keys saves it);
 `update_state_after_alloc` starts fetching them into the allocated blocks. Each fetched block is
 validated by the codec before it is written to the cache; the load stops at the first missing,
 unreadable, corrupted or late block, and reports the blocks before it as loaded, so the engine
@@ -107,8 +107,8 @@ class StoreKVConnector(KVConnector):
         keys = request.block_hashes[num_computed_tokens // bs:]
         if not keys:
             return 0
-        hint = request.kv_params.get("block_keys")
-        if hint is not None:
+        hint = request.kv_transfer.block_keys
+        if hint:
             start = num_computed_tokens // bs
             n = 0
             while start + n < len(hint) and n < len(keys) and hint[start + n] == keys[n]:
@@ -207,6 +207,9 @@ class StoreKVConnector(KVConnector):
 
     def finish_waits_for_save(self) -> bool:
         return self.config.role == "producer"
+
+    def transfer_stats(self):
+        return self.stats
 
     def close(self) -> None:
         self.io.close()

@@ -91,6 +91,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: triton on CUDA, torch on the CPU")
     p.add_argument("--cpu-gemm", choices=["auto", "onednn", "torch"], default="auto",
                    help="CPU linears: oneDNN prepacked (auto when available) or torch's matmul")
+    from pdserve.common.engine.cli import add_parallel_args
+    add_parallel_args(p)
 
 
 def _disagg_up_args(up: argparse.ArgumentParser) -> None:
@@ -150,6 +152,8 @@ def engine_argv(args, cpus: Optional[str] = None, threads: Optional[int] = None)
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--block-size", str(args.block_size), "--device", args.device,
             "--attention-backend", args.attention_backend, "--cpu-gemm", args.cpu_gemm]
+    from pdserve.common.engine.cli import parallel_argv
+    argv += parallel_argv(args)
     if cpus:
         argv += ["--cpus", cpus]
     if args.num_blocks is not None:
@@ -165,8 +169,14 @@ def _setup_logging() -> None:
 
 
 def _run_engine(args) -> int:
+<<<<<<< HEAD
     from pdserve.services.engine_host.engine_server import run_engine_server
     from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
+=======
+    from pdserve.services.common.engine_server import run_engine_server
+    from pdserve.common.engine.cli import parallel_config
+    from pdserve.services.common.engine_service_config import EngineServiceConfig
+>>>>>>> tp
 
     _setup_logging()
     _registry_env(args)
@@ -180,7 +190,8 @@ def _run_engine(args) -> int:
         kv_store=args.kv_store, kv_transport=args.kv_transport, kv_lease_s=args.kv_lease,
         kv_load_timeout_s=args.kv_load_timeout, metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint, device=args.device,
-        attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm)
+        attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm,
+        parallel=parallel_config(args))
     asyncio.run(run_engine_server(cfg))
     return 0
 

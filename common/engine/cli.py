@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 
-from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.common.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from pdserve.common.sampling_params import SamplingParams
 
 
@@ -24,6 +24,35 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """The ParallelConfig flags (generate, bench offline and the engine services share them);
+    defaults come from ParallelConfig."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=int,
+                   default=ParallelConfig.tensor_parallel_size,
+                   help="processes the model is split across (heads, features, vocabulary); "
+                        "--num-threads is per process")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                   default=ParallelConfig.pipeline_parallel_size,
+                   help="pipeline stages (only 1: pipeline parallel is not implemented)")
+    p.add_argument("--tp-all-reduce", choices=["auto", "shm", "gloo"],
+                   default=ParallelConfig.all_reduce,
+                   help="how CPU ranks sum partial results: shared memory (auto) or gloo")
+
+
+def parallel_config(args) -> ParallelConfig:
+    return ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                          pipeline_parallel_size=args.pipeline_parallel_size,
+                          all_reduce=args.tp_all_reduce)
+
+
+def parallel_argv(args) -> list[str]:
+    """The flags of add_parallel_args as command-line words (launchers pass them on)."""
+    return ["--tensor-parallel-size", str(args.tensor_parallel_size),
+            "--pipeline-parallel-size", str(args.pipeline_parallel_size),
+            "--tp-all-reduce", args.tp_all_reduce]
 
 
 def engine_config(args) -> EngineConfig:
@@ -35,7 +64,8 @@ def engine_config(args) -> EngineConfig:
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len))
+                                  max_model_len=args.max_model_len),
+        parallel=parallel_config(args))
 
 
 def add_generate_subcommand(sub) -> None:

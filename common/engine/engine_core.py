@@ -1,8 +1,15 @@
-"""EngineCore: the single-threaded loop that owns the model, the KV cache and the scheduler.
+"""EngineCore: the single-threaded loop that owns the scheduler, the KV cache and the model's
+executor (rank 0 of the model, plus tensor-parallel workers when T > 1).
 
-Lifecycle: construct (loads weights, plans and allocates the KV cache) -> `add_request` /
-`abort_request` at any time between steps -> `step()` repeatedly while
-`has_unfinished_requests()`. Not thread-safe: services drive it from one thread.
+Lifecycle: construct (starts the workers, loads weights, plans and allocates the KV cache) ->
+`add_request` / `abort_request` at any time between steps -> `step()` repeatedly while
+`has_unfinished_requests()` -> `close()` (stops the workers and the KV connector). Not
+thread-safe: services drive it from one thread. Implements `EngineClient` (protocol.py).
+
+A step: the scheduler decides (`schedule`), the executor runs the forward on every rank, rank 0
+samples, and the scheduler books the result (`update_from_output`); the engine only turns the
+requests it returns into outputs. A step that raises (a dead worker) leaves the engine broken:
+close it.
 
 Bad input (`add_request`) raises ValueError naming the field; nothing is queued then, and every
 other request goes on.
@@ -16,22 +23,21 @@ from typing import Callable, Optional
 
 import torch
 
-from pdserve.common.attention.backend import get_attention_backend
-from pdserve.common.attention.cpu_native import load_cpu_kernels
 from pdserve.common.config import EngineConfig
+from pdserve.common.distributed.executor import Executor, MultiProcExecutor, UniProcExecutor
+from pdserve.common.distributed.layout import SINGLE, TensorParallel, check_tp_split, vocab_shard
 from pdserve.common.engine.kv_connector import KVConnector
+from pdserve.common.engine.kv_transfer import NO_KV_TRANSFER, KVTransferParams
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.output_processor import OutputProcessor
-from pdserve.common.engine.outputs import (EngineStats, FinishReason, RequestOutput,
-                                           TokenLogprob)
+from pdserve.common.engine.outputs import EngineStats, FinishReason, RequestOutput
+from pdserve.common.engine.rank_model import allocate_kv_caches, build_rank_model, rank_device
 from pdserve.common.engine.request import Request, RequestStatus
 from pdserve.common.engine.sampler import Sampler
 from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.kv.block_pool import BlockPool
 from pdserve.common.kv.kv_cache_manager import KVCacheManager
 from pdserve.common.kv.memory import plan_kv_blocks
-from pdserve.common.models.cpu_gemm import pack_linears, resolve_cpu_gemm
-from pdserve.common.models.llama import LlamaForCausalLM
 from pdserve.common.models.registry import LoadedModel, load_model
 from pdserve.common.sampling_params import SamplingParams
 
@@ -42,60 +48,85 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None,
                  connector_factory: Optional[Callable[["EngineCore"], KVConnector]] = None):
         """`connector_factory(engine)` builds the KV connector once the model and its KV
-        geometry are known (it may read engine.model_config, engine.fingerprint, ...)."""
+        geometry are known (it may read engine.model_config, engine.fingerprint, ...).
+        `loaded`: an already loaded model (tensor-parallel workers get its weights too)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
+        tp_size = config.parallel.tensor_parallel_size
+        given = loaded is not None
         loaded = loaded or load_model(config.model, tiny_seed=config.tiny_model_seed)
         self.tokenizer = loaded.tokenizer
         self.model_config = cfg = loaded.config
         self.fingerprint = loaded.fingerprint
-        backend = get_attention_backend(config.attention_backend, config.device)
-        self.model = LlamaForCausalLM(cfg, backend)
-        self.model.load_weights(loaded.weights.items())
-        self.model.to(config.device).eval()
-        self.cpu_gemm = resolve_cpu_gemm(config.cpu_gemm, config.device)
-        if self.cpu_gemm == "onednn":
-            pack_linears(self.model)
-        native = load_cpu_kernels() if config.device == "cpu" else None
-        if native is not None:
-            self.model.use_cpu_kernels(native)
+        check_tp_split(cfg, tp_size)
+        if tp_size > 1 and connector_factory is not None:
+            raise NotImplementedError("a KV connector with tensor_parallel_size > 1 is not "
+                                      "implemented yet (issue 15, KV hand-off across layouts)")
         cc = config.cache
-        plan = plan_kv_blocks(cfg.kv_bytes_per_token, cc.block_size,
+        # ranks on one host share its memory (the budget covers all of them); GPUs have their own
+        per_token = (cfg.kv_bytes_per_token if config.device == "cpu"
+                     else cfg.kv_bytes_per_token // tp_size)
+        plan = plan_kv_blocks(per_token, cc.block_size,
                               budget_bytes=cc.kv_cache_bytes, fraction=cc.kv_cache_fraction,
                               num_blocks=cc.num_blocks, device=config.device)
         self.kv_plan = plan
         self.max_model_len = min(config.scheduler.max_model_len, cfg.max_position_embeddings,
                                  plan.num_tokens)
-        kv_caches = [torch.zeros(2, plan.num_blocks, cc.block_size, cfg.num_kv_heads,
-                                 cfg.head_dim, device=config.device)
-                     for _ in range(cfg.num_layers)]
+        self.executor = self._start_executor(loaded, plan.num_blocks, given)
         self.pool = BlockPool(plan.num_blocks, cc.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, cc.block_size, self.fingerprint)
         self.connector = connector_factory(self) if connector_factory else None
         if self.connector is not None:
-            self.connector.register_kv_caches(kv_caches)
+            self.connector.register_kv_caches(self.executor.runner.kv_caches)
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         sc = config.scheduler
         self.scheduler = Scheduler(self.kv, sc.max_num_seqs, sc.max_num_batched_tokens,
-                                   sc.enable_chunked_prefill, self.connector)
+                                   sc.enable_chunked_prefill, self.connector,
+                                   self.outputs.check_stop)
         self.generator = torch.Generator().manual_seed(config.seed)
-        self.runner = ModelRunner(self.model, kv_caches, self.kv,
-                                  Sampler(cfg.vocab_size, self.generator), config.device,
-                                  self.connector)
-        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.sampler = Sampler(cfg.vocab_size, self.generator)
         self._aborted: list[RequestOutput] = []
-        self._awaiting_save: dict[str, RequestOutput] = {}  # finished, KV still being saved
+
+    def _start_executor(self, loaded: LoadedModel, num_blocks: int, given: bool) -> Executor:
+        config, cfg = self.config, self.model_config
+        tp_size = config.parallel.tensor_parallel_size
+        device = rank_device(config.device, 0, tp_size)
+        if tp_size == 1:
+            model = build_rank_model(config, cfg, loaded.weights, SINGLE, device)
+            caches = allocate_kv_caches(cfg, 1, num_blocks, config.cache.block_size, device)
+            return UniProcExecutor(ModelRunner(model, caches, config.cache.block_size, device))
+        from pdserve.common.distributed.executor import WorkerGroup
+
+        sc = config.scheduler
+        slot = max(sc.max_num_batched_tokens * cfg.hidden_size,
+                   sc.max_num_seqs * vocab_shard(cfg.vocab_size, tp_size))
+        workers = WorkerGroup(config, num_blocks, slot,
+                              (cfg, loaded.weights) if given else None)
+        try:
+            model = build_rank_model(config, cfg, loaded.weights,
+                                     TensorParallel(0, tp_size, workers.comm), device)
+            caches = allocate_kv_caches(cfg, tp_size, num_blocks, config.cache.block_size,
+                                        device)
+            workers.wait_ready()
+        except BaseException:
+            workers.close()
+            raise
+        return MultiProcExecutor(ModelRunner(model, caches, config.cache.block_size, device),
+                                 workers)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, first_token_id: Optional[int] = None,
-                    kv_params: Optional[dict] = None) -> None:
+                    kv_transfer: Optional[KVTransferParams] = None) -> None:
         """`first_token_id`: the first output token, sampled elsewhere (a prefill instance)
-        and already delivered; generation continues after it. `kv_params`: hints for the KV
-        connector (e.g. "block_keys", the stored prompt blocks)."""
+        and already delivered; generation continues after it. `kv_transfer`: where the
+        prompt's KV was stored (a consumer's connector loads it)."""
         self._validate(request_id, prompt_token_ids, params)
         if first_token_id is not None:
             self._validate(request_id, [first_token_id], params)
+        if kv_transfer is not None and not isinstance(kv_transfer, KVTransferParams):
+            raise ValueError("kv_transfer must be a KVTransferParams")
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         req = Request(request_id, prompt_token_ids, params, max_tokens, generator=gen,
@@ -104,7 +135,7 @@ class EngineCore:
             if max_tokens < 2:
                 raise ValueError("max_tokens must be >= 2 when the first token is given")
             req.append_token(first_token_id)
-        req.kv_params = dict(kv_params or {})
+        req.kv_transfer = kv_transfer or NO_KV_TRANSFER
         self.scheduler.add_request(req)
         self.outputs.add(req)
 
@@ -132,57 +163,60 @@ class EngineCore:
         self._aborted.append(self.outputs.make_output(req, finished=True))
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished() or bool(self._aborted)
-                or bool(self._awaiting_save))
+        return self.scheduler.has_unfinished() or bool(self._aborted)
 
     # -- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
-        self.scheduler.poll_connector()
-        for rid in self.scheduler.saved_ids:
-            if rid in self._awaiting_save:
-                outputs.append(self._awaiting_save.pop(rid))
-        self.scheduler.saved_ids.clear()
-        if outputs:  # answers whose KV just landed go out now, not after another forward
-            return outputs
         sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            if self.scheduler.kv_waiting or self.scheduler.held:
-                time.sleep(0.0005)  # only connector I/O is pending: don't spin
-            return outputs
-        result = self.runner.execute(sched.scheduled)
-        for req, n in sched.scheduled:
-            req.num_computed_tokens += n
-        lps = result.output.logprobs
-        for i, (req, tok) in enumerate(zip(result.sampled, result.output.token_ids)):
-            req.append_token(tok)
-            if lps is not None and lps[i] is not None:
-                req.logprobs.append(TokenLogprob(tok, lps[i][0], tuple(lps[i][1])))
-            self.outputs.check_stop(req, tok)
-        for req, _ in sched.scheduled:
-            self.kv.cache_blocks(req)
-        for req in result.sampled:
-            outputs.extend(self._emit(req))
+        sampled = None
+        if sched.chunks:
+            logits = self._execute(sched)
+            reqs = self.scheduler.sampled_requests(sched)
+            if reqs:
+                sampled = self.sampler(logits, reqs)
+        else:
+            self.executor.check_health()
+        emit = self.scheduler.update_from_output(sched, sampled)
+        if not sched.chunks and not emit and self.scheduler.has_unfinished():
+            time.sleep(0.0005)  # only connector I/O is pending: don't spin
+        outputs.extend(self._output(req) for req in emit)
         return outputs
 
-    def _emit(self, req: Request) -> list[RequestOutput]:
+    def _execute(self, sched) -> torch.Tensor:
+        if self.connector is None:
+            return self.executor.execute_model(sched)
+        self.connector.begin_step(self.scheduler.connector_batch(sched))
+        logits = self.executor.execute_model(sched, self.connector.save_layer)
+        self.connector.end_step()
+        return logits
+
+    def _output(self, req: Request) -> RequestOutput:
         finished = req.finish_reason is not None
-        if finished:
-            self.scheduler.finish(req.request_id, RequestStatus.FINISHED)
         out = self.outputs.make_output(req, finished)
         if finished and self.connector is not None:
             out.block_hashes = req.block_hashes[:req.num_prompt_tokens // self.kv.block_size]
-            if (req.request_id in self.scheduler.held
-                    and self.connector.finish_waits_for_save()):
-                self._awaiting_save[req.request_id] = out
-                return []
-        return [out]
+        return out
 
     def close(self) -> None:
+        """Stop the KV connector and the tensor-parallel workers; idempotent."""
         if self.connector is not None:
             self.connector.close()
+        self.executor.close()
 
-    # -- introspection --------------------------------------------------------------------
+    # -- introspection (EngineClient) -----------------------------------------------------
+    def kv_transfer_stats(self):
+        return self.connector.transfer_stats() if self.connector is not None else None
+
+    def cached_block_hashes(self, limit: int) -> tuple:
+        cached = self.pool.cached
+        if not limit or not cached:
+            return ()
+        return tuple(list(cached)[-limit:])
+
+    def get_request(self, request_id: str) -> Optional[Request]:
+        return self.scheduler.requests.get(request_id)
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks

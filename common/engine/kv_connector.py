@@ -13,7 +13,7 @@ Scheduler side (called by the Scheduler, single-threaded, between steps)
   blocks (a save in flight); the engine then keeps them allocated until `get_finished` reports
   the request among the finished saves.
 
-Worker side (called by the ModelRunner around the forward)
+Worker side (called by EngineCore around rank 0's forward)
 - `register_kv_caches(kv_caches)` once; `begin_step(batch)`, `save_layer(layer, kv_cache)` after
   each layer's attention, `end_step()` after the forward. A producer copies the blocks that
   became full in this step out of each layer as the forward goes, so saving overlaps compute.
@@ -73,6 +73,10 @@ class KVConnector(abc.ABC):
         """True when a finished request's last output must wait until its KV is saved (a
         prefill instance: the consumer reads the blocks next)."""
         return False
+
+    def transfer_stats(self):
+        """Transfer counters for metrics (connector.ConnectorStats), or None."""
+        return None
 
     def close(self) -> None:
         """Stop background work; pending saves may be dropped."""

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from pdserve.common.engine.kv_transfer import NO_KV_TRANSFER, KVTransferParams
 from pdserve.common.engine.outputs import FinishReason, TokenLogprob
 from pdserve.common.kv.block_hash import BlockHash
 from pdserve.common.sampling_params import SamplingParams
@@ -67,7 +68,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache, at first schedule
         self.num_external_tokens = 0  # tokens loaded through the KV connector
-        self.kv_params: dict = {}  # connector hints from the caller (e.g. stored block count)
+        self.kv_transfer: KVTransferParams = NO_KV_TRANSFER  # where the caller stored its KV
         self.block_hashes: list[BlockHash] = []  # hashes of full blocks of all_token_ids
         self.num_preemptions = 0
         self.finish_reason: Optional[FinishReason] = None

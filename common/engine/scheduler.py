@@ -21,34 +21,37 @@ writes (a cancelled load) are held until it reports them done.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from pdserve.common.engine.kv_connector import KVConnector
+from pdserve.common.engine.outputs import TokenLogprob
 from pdserve.common.engine.request import Request, RequestStatus
+from pdserve.common.engine.sampler import SamplerOutput
+from pdserve.common.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pdserve.common.kv.kv_cache_manager import KVCacheManager
 
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+StopCheck = Callable[[Request, int], None]  # sets finish_reason after a token was appended
 
 
 class Scheduler:
+    """Owns every request's progress between steps: `schedule()` decides a step,
+    `update_from_output(out, sampled)` books its result (computed tokens, sampled tokens and
+    stop checks, prefix-cache publication, finishing, the connector's finished loads and saves)
+    and returns the requests that have output to emit. Nothing else advances a request."""
+
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True,
-                 connector: Optional[KVConnector] = None):
+                 connector: Optional[KVConnector] = None,
+                 check_stop: Optional[StopCheck] = None):
         self.kv = kv
         self.connector = connector
+        self.check_stop = check_stop
         self.kv_waiting: dict[str, Request] = {}  # WAITING_FOR_KV
         self.held: dict[str, Request] = {}  # ended, blocks still in the connector's hands
+        # finished, final output withheld until the connector saved its KV (a producer)
+        self.awaiting_save: dict[str, Request] = {}
+        self._released: list[Request] = []  # saved since the last update: emit them now
         self.num_load_failures = 0
-        self.saved_ids: list[str] = []  # held requests whose saves finished; engine drains
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill
@@ -56,6 +59,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._in_flight: list[Request] = []  # the last schedule()'s requests, in chunk order
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -64,17 +68,87 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or bool(self.held)
+        return bool(self.requests) or bool(self.held) or bool(self._released)
 
     def schedule(self) -> SchedulerOutput:
-        self.poll_connector()
-        out = SchedulerOutput()
-        budget = self._schedule_running(out, self.token_budget)
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
-        return out
+        """Decide the next step. Every call must be followed by `update_from_output` with its
+        output (after the forward, or with sampled=None when it scheduled nothing)."""
+        self._poll_connector()
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(scheduled, preempted, self.token_budget)
+        if not preempted:
+            self._schedule_waiting(scheduled, budget)
+        return self._freeze(scheduled, preempted)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _freeze(self, scheduled: list[tuple[Request, int]], preempted: list[str]
+                ) -> SchedulerOutput:
+        scheduled.sort(key=lambda rn: rn[1] != 1)  # decodes first, stable
+        self._in_flight = [r for r, _ in scheduled]
+        chunks = tuple(
+            ScheduledChunk(r.request_id, tuple(r.all_token_ids[r.num_computed_tokens:
+                                                               r.num_computed_tokens + n]),
+                           r.num_computed_tokens, tuple(self.kv.block_ids(r.request_id)),
+                           r.num_computed_tokens + n == r.num_tokens)
+            for r, n in scheduled)
+        return SchedulerOutput(chunks, tuple(preempted))
+
+    def sampled_requests(self, out: SchedulerOutput) -> list[Request]:
+        """The requests whose rows the sampler draws for `out`, in sampler order."""
+        return [r for r, c in zip(self._in_flight, out.chunks) if c.sample]
+
+    def connector_batch(self, out: SchedulerOutput) -> list[tuple[Request, int, list[int]]]:
+        """(request, new tokens, block ids) for the connector's worker side (`begin_step`),
+        with each request's block hashes covering its blocks that become full."""
+        batch = []
+        for r, c in zip(self._in_flight, out.chunks):
+            self.kv.update_block_hashes(r)
+            batch.append((r, c.num_tokens, list(c.block_ids)))
+        return batch
+
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: Optional[SamplerOutput]) -> list[Request]:
+        """Book step `out`'s result; `sampled` has one row per `sampled_requests(out)` (None
+        when nothing was scheduled). Returns the requests with output to emit, in order: the
+        sampled ones (a finished producer request only once its KV is saved), then those
+        whose saves finished."""
+        reqs = self._in_flight
+        self._in_flight = []
+        for r, c in zip(reqs, out.chunks):
+            r.num_computed_tokens += c.num_tokens
+        emit: list[Request] = []
+        if sampled is not None:
+            emit = self._append_sampled([r for r, c in zip(reqs, out.chunks) if c.sample],
+                                        sampled)
+        for r in reqs:
+            self.kv.cache_blocks(r)
+        emit = [r for r in emit if not self._finish_sampled(r)]
+        self._poll_connector()
+        emit.extend(self._released)
+        self._released = []
+        return emit
+
+    def _append_sampled(self, reqs: list[Request], sampled: SamplerOutput) -> list[Request]:
+        lps = sampled.logprobs
+        for i, (req, tok) in enumerate(zip(reqs, sampled.token_ids)):
+            req.append_token(tok)
+            if lps is not None and lps[i] is not None:
+                req.logprobs.append(TokenLogprob(tok, lps[i][0], tuple(lps[i][1])))
+            if self.check_stop is not None:
+                self.check_stop(req, tok)
+        return reqs
+
+    def _finish_sampled(self, req: Request) -> bool:
+        """Finish req if it stopped; True when its final output must wait for a save."""
+        if req.finish_reason is None:
+            return False
+        self.finish(req.request_id, RequestStatus.FINISHED)
+        if req.request_id in self.held and self.connector.finish_waits_for_save():
+            self.awaiting_save[req.request_id] = req
+            return True
+        return False
+
+    def _schedule_running(self, scheduled, preempted, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -82,15 +156,15 @@ class Scheduler:
             while self.kv.allocate_slots(req, n) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
-                out.preempted.append(victim.request_id)
+                preempted.append(victim.request_id)
                 if victim is req:
                     return budget
-            out.scheduled.append((req, n))
+            scheduled.append((req, n))
             budget -= n
             i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, scheduled, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if self.kv.req_blocks.get(req.request_id):  # its KV was loaded from outside
@@ -112,7 +186,7 @@ class Scheduler:
             self._admit(req, n_cached)
             req.transition(RequestStatus.RUNNING)
             self.running.append(req)
-            out.scheduled.append((req, n))
+            scheduled.append((req, n))
             budget -= n
 
     def _admit(self, req: Request, n_cached: int) -> None:
@@ -143,8 +217,9 @@ class Scheduler:
                                                 n_cached, ext)
         return True
 
-    def poll_connector(self) -> None:
-        """Take in finished saves and loads (reclaim held blocks, resume loaded requests)."""
+    def _poll_connector(self) -> None:
+        """Take in finished saves and loads (reclaim held blocks, release finished requests
+        whose output waited for their save, resume loaded requests)."""
         if self.connector is None:
             return
         saved, loaded = self.connector.get_finished()
@@ -152,7 +227,9 @@ class Scheduler:
         for rid in saved:
             if rid in self.held:
                 self._reclaim(self.held.pop(rid))
-                self.saved_ids.append(rid)
+                req = self.awaiting_save.pop(rid, None)
+                if req is not None:
+                    self._released.append(req)
         for rid in list(loaded) + list(failed):
             if rid in self.held:  # cancelled while loading: the blocks are free to go now
                 self._reclaim(self.held.pop(rid))

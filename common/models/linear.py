@@ -1,10 +1,11 @@
 """Linear layers shaped for tensor parallelism.
 
-With tp_size == 1 (the only size this issue runs) they are plain linears. Each layer knows how to
-take its shard of a full Hugging Face weight (`weight_loader`), so a later tensor-parallel engine
-(gloo on the CPU) only sets tp_rank / tp_size and adds the all-reduce, without touching the model:
+With tp_size == 1 they are plain linears. Each layer knows how to take its shard of a full
+Hugging Face weight (`weight_loader`); the tensor-parallel engine (common/distributed) builds them
+with tp_rank / tp_size and gives the row-parallel ones the group's communicator:
 - ColumnParallelLinear splits the output features; no communication.
-- RowParallelLinear splits the input features; its outputs are summed across ranks.
+- RowParallelLinear splits the input features; its outputs are summed across ranks (rank 0
+  adds the bias and the residual into its partial sum first, so the sum carries them once).
 - QKVParallelLinear / MergedColumnParallelLinear fuse several projections into one matmul,
   which also is what makes the CPU path fast (one GEMM instead of three).
 
@@ -18,7 +19,6 @@ to fp32 rounding.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pdserve.common.models.cpu_gemm import pack_weight, packed_linear, packed_linear_binary
@@ -107,11 +107,15 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, comm=None):
+        """`comm`: the tensor-parallel group's Communicator (common/distributed/layout.py),
+        required when tp_size > 1."""
         super().__init__()
         if in_features % tp_size:
             raise ValueError(f"in_features {in_features} not divisible by tp_size {tp_size}")
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        if tp_size > 1 and comm is None:
+            raise ValueError("a row-parallel linear with tp_size > 1 needs a communicator")
+        self.tp_rank, self.tp_size, self.comm = tp_rank, tp_size, comm
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp_size),
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.zeros(out_features), requires_grad=False)
@@ -120,17 +124,20 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in / tp] -> x W^T (summed over ranks) + bias (+ residual) [T, out]."""
-        if self.packed is not None and self.tp_size == 1:
-            if residual is None:
-                return packed_linear(x, self.packed, self.bias)
-            return packed_linear_binary(x, residual, self.packed, self.bias, "add")
-        y = (packed_linear(x, self.packed, None) if self.packed is not None
-             else nn.functional.linear(x, self.weight))
+        lead = self.tp_rank == 0  # only one rank's partial sum carries bias and residual
+        bias = self.bias if lead else None
+        if self.packed is not None:
+            if lead and residual is not None:
+                y = packed_linear_binary(x, residual, self.packed, bias, "add")
+            else:
+                y = packed_linear(x, self.packed, bias)
+        else:
+            y = nn.functional.linear(x, self.weight, bias)
+            if lead and residual is not None:
+                y = y + residual
         if self.tp_size > 1:
-            dist.all_reduce(y)
-        if self.bias is not None:
-            y = y + self.bias
-        return y if residual is None else y + residual
+            self.comm.all_reduce(y)
+        return y
 
     def pack_onednn(self) -> None:
         self.packed = pack_weight(self.weight.detach())

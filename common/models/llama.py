@@ -14,9 +14,11 @@ from torch import nn
 
 from pdserve.common.attention.backend import AttentionBackend, AttentionMetadata
 from pdserve.common.config import ModelConfig
-from pdserve.common.models.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
-                                          QKVParallelLinear, RowParallelLinear)
+from pdserve.common.distributed.layout import SINGLE, TensorParallel, check_tp_split
+from pdserve.common.models.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                          RowParallelLinear)
 from pdserve.common.models.rope import RotaryEmbedding
+from pdserve.common.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -33,13 +35,19 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rope: RotaryEmbedding):
+    """This rank's heads only: num_heads / tp and num_kv_heads / tp of them."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rope: RotaryEmbedding,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_heads, cfg.num_kv_heads,
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_heads // tp.size,
+                                                            cfg.num_kv_heads // tp.size,
                                                             cfg.head_dim)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
-                                          cfg.num_kv_heads, bias=cfg.qkv_bias)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+                                          cfg.num_kv_heads, bias=cfg.qkv_bias,
+                                          tp_rank=tp.rank, tp_size=tp.size)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        tp_rank=tp.rank, tp_size=tp.size, comm=tp.comm)
         self.backend, self.rope = backend, rope
         self.scale = cfg.head_dim ** -0.5
 
@@ -63,11 +71,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size,
-                                                       [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+                                                       [cfg.intermediate_size] * 2,
+                                                       tp_rank=tp.rank, tp_size=tp.size)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
+                                           tp_rank=tp.rank, tp_size=tp.size, comm=tp.comm)
 
     def forward(self, x, residual):
         """x [T, hidden] (normed) -> residual + MLP output [T, hidden]."""
@@ -75,10 +85,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, backend, rope):
+    def __init__(self, cfg, backend, rope, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.self_attn = Attention(cfg, backend, rope)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, backend, rope, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -94,18 +104,22 @@ _STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"),
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    """With `tp` of size T this is one rank's shard (see common/distributed/layout.py); every
+    rank runs the same forward, and the row-parallel layers and the embedding all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.config = cfg
+        check_tp_split(cfg, tp.size)
+        self.config, self.tp = cfg, tp
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                cfg.rope_scaling)
         self.rope = rope
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rope)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rope, tp)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -130,9 +144,9 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, RMSNorm):
                 m.native = native
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] (fp32)."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """hidden [N, hidden] -> logits [N, vocab] (fp32) on rank 0; None on other ranks."""
+        return self.lm_head.logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face named weights; every parameter must be covered exactly once."""

@@ -16,6 +16,7 @@ import uuid
 
 import grpc
 
+from pdserve.common.engine.kv_transfer import KVTransferParams
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
 from pdserve.common.telemetry.tracing import server_span
@@ -48,16 +49,18 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                       span):
         salt = request.cache_salt if request.HasField("cache_salt") else None
         first = request.first_token_id if request.HasField("first_token_id") else None
-        kv_params = {"block_keys": list(request.block_keys)} if request.block_keys else None
+        kv_transfer = None
         loop = asyncio.get_running_loop()
         arrival = loop.time()
         arrival_ns = time.time_ns()
         metrics = self._tel.metrics
         try:
             params = params_from_proto(request.params, salt)
+            if request.block_keys:
+                kv_transfer = KVTransferParams(tuple(request.block_keys))
             stream = await self._engine.submit(request.request_id or uuid.uuid4().hex,
                                                list(request.prompt_token_ids), params,
-                                               first_token_id=first, kv_params=kv_params)
+                                               first_token_id=first, kv_transfer=kv_transfer)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:

@@ -18,7 +18,9 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from pdserve.common.engine.kv_transfer import KVTransferParams
 from pdserve.common.engine.outputs import EngineStats, FinishReason, RequestOutput
+from pdserve.common.engine.protocol import EngineClient
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.services.engine_host.request_stream import RequestStream
 from pdserve.services.engine_host.request_timeline import TimelineTracker
@@ -37,7 +39,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     first_token_id: Optional[int] = None  # sampled by a prefill instance, already delivered
-    kv_params: Optional[dict] = None  # hints for the KV connector (e.g. "block_keys")
+    kv_transfer: Optional[KVTransferParams] = None  # where a prefill instance stored the KV
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ _STOP = object()
 
 
 class AsyncEngine:
-    def __init__(self, core, max_pending_outputs: int = 8, idle_poll_s: float = 0.5):
+    def __init__(self, core: EngineClient, max_pending_outputs: int = 8, idle_poll_s: float = 0.5):
         self.core = core
         self._max_pending = max_pending_outputs
         self._idle_poll_s = idle_poll_s
@@ -89,12 +91,11 @@ class AsyncEngine:
     def kv_stats(self):
         """The KV connector's transfer counters (ConnectorStats), None without a connector.
         Its counters are plain ints the I/O thread bumps; reading them here is safe."""
-        connector = getattr(self.core, "connector", None)
-        return getattr(connector, "stats", None)
+        return self.core.kv_transfer_stats()
 
     async def submit(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, first_token_id: Optional[int] = None,
-                     kv_params: Optional[dict] = None) -> RequestStream:
+                     kv_transfer: Optional[KVTransferParams] = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. With
         `first_token_id` generation continues after that token (see EngineCore.add_request).
 
@@ -105,7 +106,7 @@ class AsyncEngine:
             raise EngineDeadError("engine is not running")
         stream = RequestStream(request_id, self._max_pending, self._abort)
         self._commands.put(_Add(stream, list(prompt_token_ids), params, first_token_id,
-                                kv_params))
+                                kv_transfer))
         try:
             await stream.wait_accepted()
         except BaseException:
@@ -166,10 +167,9 @@ class AsyncEngine:
         try:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already running")
-            hand_off = {}  # only for a continued request: plain engines keep their signature
-            if cmd.first_token_id is not None or cmd.kv_params:
-                hand_off = dict(first_token_id=cmd.first_token_id, kv_params=cmd.kv_params)
-            self.core.add_request(rid, cmd.prompt_token_ids, cmd.params, **hand_off)
+            self.core.add_request(rid, cmd.prompt_token_ids, cmd.params,
+                                  first_token_id=cmd.first_token_id,
+                                  kv_transfer=cmd.kv_transfer)
         except ValueError as exc:
             self._loop.call_soon_threadsafe(stream.fail, exc)
             return

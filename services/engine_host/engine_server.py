@@ -46,9 +46,8 @@ class RunningEngineServer:
             await loop.run_in_executor(None, self.metrics_http.shutdown)
             self.metrics_http.server_close()
         await loop.run_in_executor(None, self.engine.stop)
-        close = getattr(self.engine.core, "close", None)  # the KV connector's thread, client
-        if close is not None:
-            await loop.run_in_executor(None, close)
+        # the KV connector's thread and client, the tensor-parallel workers
+        await loop.run_in_executor(None, self.engine.core.close)
 
 
 def build_core(cfg: EngineServiceConfig):
@@ -76,15 +75,13 @@ async def start_engine_server(cfg: EngineServiceConfig, core,
 
     engine = AsyncEngine(core, max_pending_outputs=cfg.max_pending_outputs)
     engine.start(asyncio.get_running_loop())
-    connector = getattr(core, "connector", None)
+    kv = cfg.kv_settings()
     info = InstanceInfo(model=cfg.model, role=cfg.role, max_model_len=core.max_model_len,
-                        vocab_size=core.tokenizer.vocab_size,
-                        fingerprint=getattr(core, "fingerprint", ""),
-                        block_size=cfg.block_size,
-                        kv_role=connector.config.role if connector is not None else "")
+                        vocab_size=core.tokenizer.vocab_size, fingerprint=core.fingerprint,
+                        block_size=cfg.block_size, kv_role=kv.role if kv is not None else "")
     metrics = EngineMetrics(cfg.model, stats_source=lambda: (engine.stats(), engine.kv_stats()))
     tel = EngineTelemetry(tracer=tracing.tracer if tracing is not None else None,
-                          metrics=metrics, kv_store=connector is not None)
+                          metrics=metrics, kv_store=kv is not None)
     server = grpc.aio.server()
     if cfg.role in ("unified", "prefill"):
         pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(engine, info, tel), server)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
-from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.common.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from pdserve.services.engine_host.health import ROLES
 from pdserve.services.engine_host.kv_connector_factory import ROLE_TO_KV, KVStoreSettings
 
@@ -36,6 +36,7 @@ class EngineServiceConfig:
     device: str = "cpu"  # "cuda" (or "cuda:N") runs the engine on a GPU
     attention_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA)
     cpu_gemm: str = "auto"  # auto | onednn | torch (auto: oneDNN prepacked on a CPU that has it)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor parallel workers
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -68,6 +69,7 @@ class EngineServiceConfig:
             device=self.device,
             attention_backend=self.attention_backend,
             cpu_gemm=self.cpu_gemm,
+            parallel=self.parallel,
         )
 
     def kv_settings(self) -> Optional[KVStoreSettings]:

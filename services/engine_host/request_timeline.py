@@ -46,14 +46,13 @@ class TimelineTracker:
     step with the step's start and end stamps."""
 
     def __init__(self, core):
-        # The scheduler's request table; a core without one (test fakes) gets accept/finish
-        # stamps only.
-        self._requests = getattr(getattr(core, "scheduler", None), "requests", None)
+        # A core that exposes no requests (test fakes) gets accept/finish stamps only.
+        self._core = core
         self._pending: dict[str, tuple[object, RequestTimeline, int]] = {}
 
     def watch(self, request_id: str, timeline: RequestTimeline) -> None:
         timeline.accepted_ns = time.time_ns()
-        req = self._requests.get(request_id) if self._requests is not None else None
+        req = self._core.get_request(request_id)
         if req is not None:
             self._pending[request_id] = (req, timeline, len(req.all_token_ids))
 

@@ -24,10 +24,7 @@ SUMMARY_PERIOD_S = 1.0
 def cache_summary(core, limit: int = SUMMARY_BLOCKS) -> tuple:
     """The newest `limit` block keys in the engine's local prefix cache, shortened to
     PREFIX_BYTES. Engine thread only."""
-    cached = getattr(getattr(getattr(core, "kv", None), "pool", None), "cached", None)
-    if not limit or not cached:  # no prefix cache (or a stand-in core without one)
-        return ()
-    return tuple(k[:PREFIX_BYTES] for k in list(cached)[-limit:])
+    return tuple(k[:PREFIX_BYTES] for k in core.cached_block_hashes(limit))
 
 
 def engine_record_fn(engine, address: str, role: str, model: str) -> Callable[[], InstanceRecord]:

@@ -1,4 +1,5 @@
-"""A stand-in for EngineCore with the same API, for service tests that need no model.
+"""A stand-in for EngineCore implementing the same EngineClient protocol, for service tests
+that need no model.
 
 Byte-level tokenizer (token id == byte value, EOS = 0); each step emits one token per running
 request: the previous token + 1 (mod 256, skipping EOS unless `eos_after` says so). Blocks are
@@ -31,7 +32,9 @@ class FakeTokenizer:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt))
 
 
-class FakeEngineCore:
+class FakeEngineCore:  # implements pdserve.common.engine.protocol.EngineClient
+    fingerprint = ""
+
     def __init__(self, num_blocks=64, block_size=4, max_model_len=512, step_s=0.002,
                  eos_after=None):
         self.tokenizer = FakeTokenizer()
@@ -44,7 +47,10 @@ class FakeEngineCore:
         self._reqs: dict[str, dict] = {}
         self._aborted: list[str] = []
 
-    def add_request(self, request_id, prompt_token_ids, params):
+    def add_request(self, request_id, prompt_token_ids, params, first_token_id=None,
+                    kv_transfer=None):
+        if first_token_id is not None or kv_transfer is not None:
+            raise ValueError("the fake engine does not continue prefilled requests")
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
@@ -103,3 +109,15 @@ class FakeEngineCore:
                            num_free_blocks=self.num_free_blocks,
                            num_total_blocks=self.num_total_blocks, prefix_cache_queries=0,
                            prefix_cache_hits=0, num_preemptions=0)
+
+    def kv_transfer_stats(self):
+        return None
+
+    def cached_block_hashes(self, limit):
+        return ()
+
+    def get_request(self, request_id):
+        return None  # no request internals: timelines get accept/finish stamps only
+
+    def close(self):
+        pass

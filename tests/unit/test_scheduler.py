@@ -4,6 +4,7 @@ preemption and every state transition, cancel in each state."""
 import pytest
 
 from pdserve.common.engine.request import InvalidTransition, Request, RequestStatus as S
+from pdserve.common.engine.sampler import SamplerOutput
 from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.kv.block_pool import BlockPool
 from pdserve.common.kv.kv_cache_manager import KVCacheManager
@@ -24,14 +25,18 @@ def req(rid, n_prompt, first=0, max_tokens=8):
 
 
 def run_step(sched, next_token=7):
-    """The fake runner: every scheduled chunk is computed; completed ones get a token."""
+    """The fake runner: every scheduled chunk is computed; completed ones get a token. Returns
+    the step as (request, new tokens) pairs and the preempted ids."""
     out = sched.schedule()
-    for r, n in out.scheduled:
-        r.num_computed_tokens += n
-        if r.num_computed_tokens == r.num_tokens:
-            r.append_token(next_token)
-        sched.kv.cache_blocks(r)
-    return out
+    n_sampled = len(sched.sampled_requests(out))
+    sched.update_from_output(out, SamplerOutput([next_token] * n_sampled, None))
+    return Step([(sched.requests[c.request_id], c.num_tokens) for c in out.chunks],
+                list(out.preempted), out.num_tokens)
+
+
+class Step:
+    def __init__(self, scheduled, preempted, num_tokens):
+        self.scheduled, self.preempted, self.num_tokens = scheduled, preempted, num_tokens
 
 
 def test_exact_blocks_and_budget_with_chunked_prefill():
@@ -153,3 +158,88 @@ def test_prefix_lookup_counts_once_per_request_not_per_attempt():
     sched.finish("a", S.FINISHED)
     run_step(sched)
     assert b.status == S.RUNNING and kv.prefix_queries == 8 + 12
+
+
+def test_output_is_a_frozen_picklable_value_with_block_ids():
+    import dataclasses
+    import pickle
+
+    sched, kv, pool = make(budget=8)
+    a, b, c = req("a", 10), req("b", 1, first=100), req("c", 2, first=200)
+    for r in (c, b, a):
+        sched.add_request(r)
+    out = sched.schedule()
+    # decodes (1 new token) first, then the prefill chunk; a is cut at the budget
+    assert [(c.request_id, c.token_ids, c.start, c.block_ids, c.sample) for c in out.chunks] \
+        == [("b", (100,), 0, (1,), True), ("c", (200, 201), 0, (0,), True),
+            ("a", tuple(range(5)), 0, (2, 3), False)]
+    assert pickle.loads(pickle.dumps(out)) == out
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.chunks[0].start = 3
+    assert [r.request_id for r in sched.sampled_requests(out)] == ["b", "c"]
+    emitted = sched.update_from_output(out, SamplerOutput([42, 43], None))
+    assert emitted == [b, c] and b.output_token_ids == [42] and c.output_token_ids == [43]
+    assert a.num_computed_tokens == 5 and c.num_computed_tokens == 2
+
+
+def test_update_from_output_finishes_through_the_stop_check():
+    def stop_on_9(r, tok):
+        if tok == 9:
+            r.finish_reason = "stop"
+
+    pool = BlockPool(8, True)
+    kv = KVCacheManager(pool, BS, "fake-model")
+    sched = Scheduler(kv, 8, 32, check_stop=stop_on_9)
+    a = req("a", 5)
+    sched.add_request(a)
+    out = sched.schedule()
+    assert sched.update_from_output(out, SamplerOutput([3], None)) == [a]
+    assert a.status == S.RUNNING and a.finish_reason is None
+    out = sched.schedule()
+    assert sched.update_from_output(out, SamplerOutput([9], None)) == [a]
+    assert a.history[-2:] == [S.FINISHED, S.RECLAIMED] and not sched.requests
+    assert pool.num_free_blocks == 8 and not sched.has_unfinished()
+
+
+class SavingConnector:
+    """A producer whose saves finish when the test says so."""
+
+    def __init__(self):
+        self.saved = set()
+
+    def get_num_new_matched_tokens(self, request, n):
+        return 0
+
+    def request_finished(self, request, block_ids):
+        return True  # a save is in flight
+
+    def finish_waits_for_save(self):
+        return True
+
+    def get_finished(self):
+        saved, self.saved = self.saved, set()
+        return saved, set()
+
+    def get_failed_loads(self):
+        return {}
+
+
+def test_a_finished_producer_request_is_emitted_once_its_kv_is_saved():
+    conn = SavingConnector()
+    pool = BlockPool(8, True)
+    kv = KVCacheManager(pool, BS, "fake-model")
+    sched = Scheduler(kv, 8, 32, connector=conn,
+                      check_stop=lambda r, tok: setattr(r, "finish_reason", "length"))
+    a = req("a", 6)
+    sched.add_request(a)
+    out = sched.schedule()
+    assert sched.update_from_output(out, SamplerOutput([5], None)) == []  # waits for its save
+    assert a.status == S.FINISHED and "a" in sched.held and sched.has_unfinished()
+    assert pool.num_free_blocks == 6  # blocks stay while the connector reads them
+    idle = sched.schedule()
+    assert idle.chunks == () and sched.update_from_output(idle, None) == []
+    conn.saved.add("a")
+    idle = sched.schedule()
+    assert sched.update_from_output(idle, None) == [a]
+    assert a.history[-1] == S.RECLAIMED and pool.num_free_blocks == 8
+    assert not sched.has_unfinished()

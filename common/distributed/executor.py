@@ -1,0 +1,229 @@
+"""Executors: run one scheduler step on every rank of the engine's model.
+
+`Executor` is what EngineCore calls. `UniProcExecutor` runs the whole model in the engine
+process. `MultiProcExecutor` (tensor parallel) runs rank 0 in the engine process and T-1 worker
+processes (worker.py) beside it.
+
+MultiProcExecutor lifecycle:
+1. `start_workers` spawns the workers, hosts the torch.distributed store, joins the group
+   (gloo on the CPU, NCCL on CUDA) and sets up the shared-memory all-reduce;
+2. the engine builds rank 0's shard with the returned communicator, then `wait_ready` waits
+   until every worker loaded its shard (a worker's error is raised here, with its message);
+3. each `execute_model` sends the pickled SchedulerOutput to every worker, then runs rank 0's
+   forward; the collectives inside keep the ranks in step;
+4. `close` tells the workers to stop, waits briefly, and kills what is left.
+A worker that dies makes the next (or the current) step raise WorkerDiedError; the executor
+then aborts the shared-memory barrier and kills the other workers, so no process is left
+behind and nothing hangs. There is no recovery: the engine is dead (its service reports
+unhealthy, and a supervisor restarts it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+import weakref
+from typing import Optional, Protocol
+
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+
+import torch
+
+from pdserve.common.config import EngineConfig, ModelConfig
+from pdserve.common.distributed.worker import WorkerSpec
+from pdserve.common.engine.model_runner import LayerDone, ModelRunner
+from pdserve.common.engine.scheduler_output import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0  # loading SmolLM2 in T processes on 2 shared cores can be slow
+_STOP_WAIT_S = 5.0
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker died or failed; the engine cannot go on."""
+
+
+class Executor(Protocol):
+    runner: ModelRunner  # rank 0's (its KV caches are the ones the KV connector reads)
+
+    def execute_model(self, out: SchedulerOutput, layer_done: Optional[LayerDone] = None
+                      ) -> torch.Tensor:
+        """Run a non-empty step on every rank; logits [N, V] of the sampled chunks."""
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError when a rank is gone."""
+
+    def close(self) -> None:
+        """Stop every rank; idempotent."""
+
+
+class UniProcExecutor:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def execute_model(self, out, layer_done=None) -> torch.Tensor:
+        return self.runner.execute(out, layer_done)
+
+    def check_health(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class WorkerGroup:
+    """The T-1 worker processes and rank 0's end of the group (stage 1 of the lifecycle).
+
+    Workers are fresh interpreters (`python -m pdserve.common.distributed.worker FD`), not
+    multiprocessing children: spawn would re-run the caller's __main__ (a console script has no
+    guard), and fork is unsafe in a process with gRPC and OpenMP threads. Each gets one end of
+    a socketpair; its WorkerSpec goes over it first, then the steps."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, slot_floats: int,
+                 model: Optional[tuple[ModelConfig, dict]] = None):
+        from pdserve.common.distributed.shm_comm import ShmCommunicator, make_buffers
+        from pdserve.common.distributed.torch_comm import init_group, make_store
+
+        self.comm = None
+        world = config.parallel.tensor_parallel_size
+        self._store = make_store(0, world, is_master=True)
+        use_shm = config.parallel.all_reduce != "gloo" and config.device == "cpu"
+        shm = make_buffers(world, slot_floats) if use_shm else None
+        self._shm_path = shm.path if shm is not None else None
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns,
+                                           shm.path if shm is not None else None)
+        try:
+            for rank in range(1, world):
+                spec = WorkerSpec(rank, world, self._store.port, config, num_blocks, model,
+                                  shm.path if shm is not None else None, slot_floats)
+                self._spawn(spec)
+            self._expect("hello")
+            comm = init_group(self._store, 0, world, config.device)
+            if shm is not None:
+                comm = ShmCommunicator(0, world, shm.ctrl, shm.data, self.alive, comm)
+        except BaseException:
+            self.close()
+            raise
+        self.comm = comm
+
+    def _spawn(self, spec: WorkerSpec) -> None:
+        mine, theirs = socket.socketpair()
+        try:
+            p = subprocess.Popen([sys.executable, "-m", "pdserve.common.distributed.worker",
+                                  str(theirs.fileno())], pass_fds=[theirs.fileno()])
+        finally:
+            theirs.close()
+        conn = Connection(mine.detach())
+        self.procs.append(p)
+        self.conns.append(conn)
+        conn.send(spec)
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def _expect(self, what: str) -> None:
+        """Wait for `what` from every worker; a worker's error or death raises."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            while not conn.poll(0.1):
+                if p.poll() is not None:
+                    raise WorkerDiedError(f"tensor-parallel worker {rank} exited with code "
+                                          f"{p.returncode} while starting")
+                if time.monotonic() > deadline:
+                    raise WorkerDiedError(f"tensor-parallel worker {rank} did not start in "
+                                          f"{STARTUP_TIMEOUT_S:.0f} s")
+            try:
+                msg = conn.recv()
+            except EOFError:
+                p.wait(_STOP_WAIT_S)
+                raise WorkerDiedError(f"tensor-parallel worker {rank} exited with code "
+                                      f"{p.returncode} while starting") from None
+            if msg[0] == "error":
+                raise WorkerDiedError(f"tensor-parallel worker {rank} failed: {msg[1]}")
+            if msg[0] != what:
+                raise WorkerDiedError(f"tensor-parallel worker {rank} sent {msg[0]!r}, "
+                                      f"expected {what!r}")
+
+    def wait_ready(self) -> None:
+        try:
+            self._expect("ready")
+        except BaseException:
+            self.close()
+            raise
+        if self._shm_path is not None:  # every rank mapped it: the name is no longer needed
+            os.unlink(self._shm_path)
+            self._shm_path = None
+
+    def close(self) -> None:
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            comm.abort()  # a worker stuck in a barrier raises instead of spinning on
+        self._finalizer()
+        if comm is not None:
+            comm.close()
+
+
+def _shutdown(procs, conns, shm_path) -> None:
+    for conn in conns:
+        try:
+            conn.send_bytes(pickle.dumps(None))
+        except OSError:
+            pass
+    deadline = time.monotonic() + _STOP_WAIT_S
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(_STOP_WAIT_S)
+    for conn in conns:
+        conn.close()
+    if shm_path is not None and os.path.exists(shm_path):
+        os.unlink(shm_path)
+
+
+class MultiProcExecutor:
+    def __init__(self, runner: ModelRunner, workers: WorkerGroup):
+        self.runner, self.workers = runner, workers
+        self._closed = False
+
+    def execute_model(self, out, layer_done=None) -> torch.Tensor:
+        self.check_health()
+        payload = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.workers.conns:
+                conn.send_bytes(payload)
+            logits = self.runner.execute(out, layer_done)
+        except Exception as exc:
+            if not self.workers.alive():
+                self._fail()
+                raise WorkerDiedError(f"a tensor-parallel worker died during a step: "
+                                      f"{exc}") from exc
+            raise
+        return logits
+
+    def check_health(self) -> None:
+        if self._closed:
+            raise WorkerDiedError("the tensor-parallel workers are stopped")
+        if not self.workers.alive():
+            self._fail()
+            dead = [f"{r} (exit code {p.returncode})"
+                    for r, p in enumerate(self.workers.procs, start=1) if p.poll() is not None]
+            raise WorkerDiedError(f"tensor-parallel worker(s) {', '.join(dead)} died")
+
+    def _fail(self) -> None:
+        log.error("a tensor-parallel worker died; stopping the others (pid %d)", os.getpid())
+        self.close()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.workers.close()

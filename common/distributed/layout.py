@@ -1,0 +1,75 @@
+"""Which part of the model one tensor-parallel rank holds, and the check that a model splits.
+
+Rank r of T holds query heads [r*H/T, (r+1)*H/T) and KV heads [r*K/T, (r+1)*K/T) (so every query
+head's KV head lives on the same rank), 1/T of the MLP's intermediate features, and rows
+[r*ceil(V/T), (r+1)*ceil(V/T)) of the vocabulary (embedding and LM head; the last shard is
+padded). KV heads are never replicated, so T must divide the KV head count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+
+from pdserve.common.config import ModelConfig
+
+
+class Communicator(Protocol):
+    """Collectives among the ranks of one tensor-parallel group. Every rank calls each method
+    in the same order with tensors of the same shape (the forward is identical on all ranks).
+    Results are bitwise identical on every rank (partials are summed in rank order)."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """t (contiguous) <- the sum of every rank's t, in place."""
+
+    def gather_last_dim(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """t [N, k] on each rank -> [N, k * world] (rank order) on rank 0; None elsewhere."""
+
+    def abort(self) -> None:
+        """Make peers blocked in a collective raise (where the transport allows it)."""
+
+    def close(self) -> None:
+        """Release the group and its buffers."""
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in its group; `comm` is None only when size == 1."""
+
+    rank: int = 0
+    size: int = 1
+    comm: Optional[Communicator] = None
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is not in [0, {self.size})")
+        if self.size > 1 and self.comm is None:
+            raise ValueError("tensor parallel size > 1 needs a communicator")
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            self.comm.all_reduce(t)
+        return t
+
+
+SINGLE = TensorParallel()
+
+
+def check_tp_split(cfg: ModelConfig, tp_size: int) -> None:
+    """ValueError naming the count that tp_size does not divide."""
+    for name, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
+                    ("intermediate size", cfg.intermediate_size)):
+        if n % tp_size:
+            raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's "
+                             f"{n} {name}; choose a size that divides {cfg.num_heads} heads "
+                             f"and {cfg.num_kv_heads} KV heads")
+
+
+def vocab_shard(vocab_size: int, tp_size: int) -> int:
+    """Rows of the vocabulary each rank holds (the last rank's shard is padded)."""
+    return -(-vocab_size // tp_size)

@@ -1,0 +1,46 @@
+"""Building one rank's model and KV cache, the same way in the engine process (rank 0) and in
+a tensor-parallel worker."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.common.attention.backend import get_attention_backend
+from pdserve.common.attention.cpu_native import load_cpu_kernels
+from pdserve.common.config import EngineConfig, ModelConfig
+from pdserve.common.distributed.layout import TensorParallel
+from pdserve.common.models.cpu_gemm import pack_linears, resolve_cpu_gemm
+from pdserve.common.models.llama import LlamaForCausalLM
+
+
+def build_rank_model(config: EngineConfig, model_config: ModelConfig,
+                     weights: dict[str, torch.Tensor], tp: TensorParallel, device: str
+                     ) -> LlamaForCausalLM:
+    """This rank's shard of the model, loaded from the full weights, on `device`, with the
+    CPU fast paths (oneDNN prepacked linears, native kernels) the config asks for."""
+    backend = get_attention_backend(config.attention_backend, device)
+    model = LlamaForCausalLM(model_config, backend, tp)
+    model.load_weights(weights.items())
+    model.to(device).eval()
+    if resolve_cpu_gemm(config.cpu_gemm, device) == "onednn":
+        pack_linears(model)
+    native = load_cpu_kernels() if device == "cpu" else None
+    if native is not None:
+        model.use_cpu_kernels(native)
+    return model
+
+
+def allocate_kv_caches(cfg: ModelConfig, tp_size: int, num_blocks: int, block_size: int,
+                       device: str) -> list[torch.Tensor]:
+    """One [2, blocks, block_size, kv_heads / tp, head_dim] tensor per layer: this rank's
+    heads of every block."""
+    return [torch.zeros(2, num_blocks, block_size, cfg.num_kv_heads // tp_size, cfg.head_dim,
+                        device=device)
+            for _ in range(cfg.num_layers)]
+
+
+def rank_device(device: str, rank: int, tp_size: int) -> str:
+    """CUDA ranks each take their own GPU (cuda:rank); CPU ranks share the host."""
+    if device.startswith("cuda") and tp_size > 1:
+        return f"cuda:{rank}"
+    return device
