@@ -169,14 +169,9 @@ def _setup_logging() -> None:
 
 
 def _run_engine(args) -> int:
-<<<<<<< HEAD
     from pdserve.services.engine_host.engine_server import run_engine_server
-    from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
-=======
-    from pdserve.services.common.engine_server import run_engine_server
     from pdserve.common.engine.cli import parallel_config
-    from pdserve.services.common.engine_service_config import EngineServiceConfig
->>>>>>> tp
+    from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
 
     _setup_logging()
     _registry_env(args)
