@@ -99,8 +99,9 @@ def test_preemption_under_small_kv_budget(smollm2, chat_prompts, hf_reference):
 def test_first_step_logits(smollm2, chat_prompts, hf_model):
     llm = _engine(smollm2)
     captured = []
-    compute = llm.engine.model.compute_logits
-    llm.engine.model.compute_logits = lambda h: captured.append(compute(h)) or captured[-1]
+    model = llm.engine.executor.runner.model
+    compute = model.compute_logits
+    model.compute_logits = lambda h: captured.append(compute(h)) or captured[-1]
     llm.generate(chat_prompts[:3], SamplingParams(temperature=0, max_tokens=1))
     ours = captured[0]  # one row per prompt, all sampled in the same step
     with torch.inference_mode():
