@@ -12,7 +12,7 @@ from pdserve.services.engine_host.request_timeline import RequestTimeline, Timel
 
 
 def _core(**reqs):
-    return SimpleNamespace(scheduler=SimpleNamespace(requests=dict(reqs)))
+    return SimpleNamespace(get_request=dict(reqs).get)  # the EngineClient method it uses
 
 
 def _req(n_tokens=4, status=S.WAITING, ext=0):
@@ -55,7 +55,7 @@ def test_tracker_forgets_and_drops_cancelled_and_unknown():
     assert len(tracker) == 1
     tracker.forget("a")
     assert len(tracker) == 0
-    assert TimelineTracker(SimpleNamespace()).__len__() == 0  # a core without a scheduler
+    assert TimelineTracker(_core()).__len__() == 0  # a core with no requests
 
 
 def test_prefill_phases():
