@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pdserve.services.router.admission.admission_config import AdmissionConfig
 from pdserve.services.router.dispatch.fallback_config import FallbackConfig
+from pdserve.services.router.limits_config import LimitsConfig
 from pdserve.services.router.routing.routing_config import RoutingConfig
 
 
@@ -42,6 +43,7 @@ class RouterConfig:
     routing: RoutingConfig = RoutingConfig()
     admission: AdmissionConfig = AdmissionConfig()
     fallback: FallbackConfig = FallbackConfig()
+    limits: LimitsConfig = LimitsConfig()
 
     def __post_init__(self):
         if not self.model:

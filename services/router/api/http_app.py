@@ -17,7 +17,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from pdserve.services.router.api.deadline import deadline_for, within
 from pdserve.services.router.api.errors import APIError, bad_request
+from pdserve.services.router.api.http_edge import EdgeMiddleware, install_error_handlers
 from pdserve.services.router.dispatch.job_run import JobRun
 from pdserve.services.router.api.request_meta import meta_from_headers
 from pdserve.services.router.api.router_tracing import request_span
@@ -48,6 +50,9 @@ class _RunResponse(StreamingResponse):
 
 def build_app(state: RouterState) -> FastAPI:
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.add_middleware(EdgeMiddleware, metrics=state.metrics,
+                       max_body_bytes=state.config.limits.max_body_bytes)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -90,27 +95,28 @@ async def _generate(request: Request, state: RouterState, endpoint: str, body_ty
         body = await _parse(request, body_type)
         job = job_fn(body, state, uuid.uuid4().hex)
         meta = dataclasses.replace(meta, affinity=meta.affinity or body.user or None)
+        deadline = deadline_for(arrival, state.config.limits.request_timeout_s)
         with request_span(f"router.{endpoint}", headers):
-            run = await _until_disconnect(request, state.start_run(job, meta, arrival))
+            run = await _until_disconnect(request, within(state.start_run(job, meta, arrival),
+                                                          deadline))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         meta = new_meta(prefix, body.model or state.config.model_name,
                         bool(body.logprobs is not None and body.logprobs is not False),
                         include_usage)
         form = form_type(meta, state.text_of)
         if body.stream:
-            response = _RunResponse(run, _counted(stream_events(run, form), state),
+            response = _RunResponse(run, _counted(stream_events(run, form, deadline), state),
                                     media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache"})
         else:
             response = JSONResponse(await _until_disconnect(request, _counted(
-                collect(run, form), state)))
+                collect(run, form, deadline), state)))
     except APIError as err:
         retry = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
         response = JSONResponse(err.to_json(), status_code=err.status, headers=retry)
     except ClientGone:
         response = Response(status_code=499)  # nobody reads it; nginx's "client closed"
-    state.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-    return response
+    return response  # counted by EdgeMiddleware, with every other response
 
 
 async def _parse(request: Request, body_type):
@@ -119,8 +125,15 @@ async def _parse(request: Request, body_type):
         data = json.loads(raw)
     except ValueError as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
+    try:  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer can take
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request("request body holds an unpaired UTF-16 surrogate (like \\ud800): "
+                          "strings must be valid Unicode") from None
     try:
         return body_type.model_validate(data)
     except ValidationError as exc:

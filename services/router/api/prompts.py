@@ -6,9 +6,13 @@ from typing import Optional
 
 from pdserve.services.router.api.errors import bad_request
 
+MAX_PROMPTS = 64  # a completions batch; prompts x n is bounded by max_n as well
+
 
 def completion_prompts(prompt, tokenizer) -> list[list[int]]:
     """OpenAI's `prompt`: a string, strings, token ids, or lists of token ids."""
+    if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"prompt may list at most {MAX_PROMPTS} prompts", param="prompt")
     if isinstance(prompt, str):
         prompts = [tokenizer.encode(prompt)]
     elif prompt and all(isinstance(p, int) for p in prompt):
