@@ -40,6 +40,8 @@ class RouterConfig:
     registry_interval_s: float = 0.5  # how often the router reads it
     dns_interval_s: float = 5.0
     api_key_file: str = ""  # one key per line; set -> requests need Authorization: Bearer
+    # The secret that keys tenants' cache salts (admission/tenants.py); "" -> random per start
+    tenant_secret_file: str = ""
     routing: RoutingConfig = RoutingConfig()
     admission: AdmissionConfig = AdmissionConfig()
     fallback: FallbackConfig = FallbackConfig()

@@ -16,7 +16,8 @@ from pdserve.services.router.api.deadline import deadline_for, iterate_within, w
 from pdserve.services.router.api.errors import APIError, bad_request
 from pdserve.services.router.dispatch.job import Choice, Job
 from pdserve.services.router.api.prompts import chat_prompt, check_length
-from pdserve.services.router.api.request_meta import meta_from_headers, metadata_getter
+from pdserve.services.router.api.request_meta import (grpc_peer_host, meta_from_headers,
+                                                      metadata_getter)
 from pdserve.services.router.api.router_tracing import request_span
 from pdserve.services.router.api.sampling import check_params, check_token_ids
 from pdserve.services.router.state import RouterState
@@ -36,10 +37,15 @@ class RouterServicer(pb_grpc.RouterServicer):
         deadline = deadline_for(arrival, self._state.config.limits.request_timeout_s)
         try:
             meta = meta_from_headers(metadata_getter(metadata),
-                                     self._state.config.routing.affinity_header)
+                                     self._state.config.routing.affinity_header,
+                                     client=grpc_peer_host(context.peer() or ""))
+            job = self._job(request)
+            gate = self._state.gate
+            if gate is not None:
+                meta = gate.identify(meta)
+                job = gate.isolate(job, meta)
             with request_span("router.Generate", metadata):
-                run = await within(self._state.start_run(self._job(request), meta, arrival),
-                                   deadline)
+                run = await within(self._state.start_run(job, meta, arrival), deadline)
         except APIError as err:
             status = err.grpc_code.name
             self._count(status)

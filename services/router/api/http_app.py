@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from pdserve.services.common.convert import MAX_REQUEST_ID_CHARS
 from pdserve.services.router.api.deadline import deadline_for, within
 from pdserve.services.router.api.errors import APIError, bad_request
 from pdserve.services.router.api.http_edge import EdgeMiddleware, install_error_handlers
@@ -89,11 +90,14 @@ async def _generate(request: Request, state: RouterState, endpoint: str, body_ty
     arrival = time.monotonic()
     try:
         headers = request.headers
-        meta = meta_from_headers(headers.get, state.config.routing.affinity_header)
+        meta = meta_from_headers(headers.get, state.config.routing.affinity_header,
+                                 client=request.client.host if request.client else "")
         if state.gate is not None:
-            state.gate.authorize(meta)  # before reading what an unknown caller sent
+            meta = state.gate.identify(meta)  # before reading what an unknown caller sent
         body = await _parse(request, body_type)
-        job = job_fn(body, state, uuid.uuid4().hex)
+        job = job_fn(body, state, uuid.uuid4().hex)  # our id: a client's is only echoed
+        if state.gate is not None:
+            job = state.gate.isolate(job, meta)
         meta = dataclasses.replace(meta, affinity=meta.affinity or body.user or None)
         deadline = deadline_for(arrival, state.config.limits.request_timeout_s)
         with request_span(f"router.{endpoint}", headers):
@@ -116,6 +120,9 @@ async def _generate(request: Request, state: RouterState, endpoint: str, body_ty
         response = JSONResponse(err.to_json(), status_code=err.status, headers=retry)
     except ClientGone:
         response = Response(status_code=499)  # nobody reads it; nginx's "client closed"
+    echo = request.headers.get("x-request-id")
+    if echo and len(echo) <= MAX_REQUEST_ID_CHARS:
+        response.headers["x-request-id"] = echo
     return response  # counted by EdgeMiddleware, with every other response
 
 
