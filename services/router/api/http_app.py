@@ -25,7 +25,8 @@ from pdserve.services.router.dispatch.job_run import JobRun
 from pdserve.services.router.api.request_meta import meta_from_headers
 from pdserve.services.router.api.router_tracing import request_span
 from pdserve.services.router.api.openai_jobs import chat_job, completion_job
-from pdserve.services.router.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.services.router.api.openai_protocol import (ChatCompletionRequest,
+                                                        CompletionRequest, check_fields)
 from pdserve.services.router.api.responses import (ChatFormat, CompletionFormat, collect,
                                                new_meta, stream_events)
 from pdserve.services.router.state import RouterState
@@ -141,12 +142,17 @@ async def _parse(request: Request, body_type):
     except UnicodeEncodeError:
         raise bad_request("request body holds an unpaired UTF-16 surrogate (like \\ud800): "
                           "strings must be valid Unicode") from None
+    data = check_fields(data, body_type)  # refused and unknown fields: 400 naming them
     try:
         return body_type.model_validate(data)
     except ValidationError as exc:
-        # Wrong shape (missing or mistyped field): 422; out-of-range values are 400 later.
+        # Wrong shape (missing or mistyped field): 422; out-of-range values are 400 later;
+        # an unknown field inside a message: 400 naming it.
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
+        if first["type"] == "extra_forbidden":
+            raise bad_request(f"Unrecognized request argument supplied: '{param}'",
+                              param=param, code="unknown_parameter") from None
         raise bad_request(f"{param}: {first['msg']}", param=param, status=422) from None
 
 

@@ -46,6 +46,7 @@ def build_sampling_params(body, max_tokens: int, logprobs: Optional[int], max_st
         stop=stop,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
+        include_stop_str_in_output=body.include_stop_str_in_output,
         logprobs=logprobs,
         min_tokens=body.min_tokens,
         cache_salt=body.cache_salt,
