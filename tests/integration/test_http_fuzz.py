@@ -158,7 +158,12 @@ def test_no_request_gets_a_5xx_or_hurts_the_engine(stack):
     async def engine_state():
         async with grpc.aio.insecure_channel(address) as ch:
             stub = pb_grpc.DecodeServiceStub(ch)
-            return await stub.Health(pb.HealthRequest()), await stub.GetLoad(pb.LoadRequest())
+            for _ in range(200):  # stats are published just after a step's outputs
+                load = await stub.GetLoad(pb.LoadRequest())
+                if load.num_running == 0 and load.num_waiting == 0:
+                    break
+                await asyncio.sleep(0.025)
+            return await stub.Health(pb.HealthRequest()), load
     health, load = asyncio.run(engine_state())
     assert health.status == pb.HealthResponse.SERVING
     assert load.num_step_failures == 0 and load.num_running == 0 and load.num_waiting == 0

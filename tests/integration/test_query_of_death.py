@@ -10,6 +10,8 @@ import threading
 import grpc
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
@@ -111,6 +113,18 @@ async def _decode_all(stub, req):
     return [m async for m in stub.Decode(req, timeout=30)]
 
 
+async def _settled(ch):
+    """GetLoad once nothing runs: the engine publishes its stats just after a step's outputs,
+    so the load read right after a request's last message may still count it."""
+    stub = pb_grpc.DecodeServiceStub(ch)
+    for _ in range(200):
+        load = await stub.GetLoad(pb.LoadRequest())
+        if load.num_running == 0 and load.num_waiting == 0:
+            return load
+        await asyncio.sleep(0.025)
+    return load
+
+
 async def _good(ch):
     msgs = await _decode_all(pb_grpc.DecodeServiceStub(ch), _decode_req(
         dict(params=_sp(max_tokens=4, temperature=0, ignore_eos=True))))
@@ -128,8 +142,7 @@ def test_every_bad_request_is_refused_and_the_engine_serves_on(engine):
                 prefill.Prefill(_prefill_req(fields), timeout=30))
         tokens, reason = await _good(ch)
         health = await decode.Health(pb.HealthRequest())
-        load = await decode.GetLoad(pb.LoadRequest())
-        return codes, tokens, reason, health, load
+        return codes, tokens, reason, health, await _settled(ch)
     codes, tokens, reason, health, load = serve(engine, body)
     wrong = {k: v for k, v in codes.items() if v != grpc.StatusCode.INVALID_ARGUMENT}
     assert not wrong, wrong
@@ -165,8 +178,7 @@ def test_a_step_that_raises_fails_its_batch_only(engine):
                 failed.append((err.code(), err.details()))
         tokens, reason = await _good(ch)
         health = await decode.Health(pb.HealthRequest())
-        load = await decode.GetLoad(pb.LoadRequest())
-        return failed, tokens, reason, health, load
+        return failed, tokens, reason, health, await _settled(ch)
     before = serve(engine, lambda ch: pb_grpc.DecodeServiceStub(ch).GetLoad(pb.LoadRequest()))
     failed, tokens, reason, health, load = serve(engine, body)
     assert len(failed) == 2
@@ -187,3 +199,59 @@ def test_a_callers_request_id_cannot_collide(engine, rid):
         return await asyncio.gather(_decode_all(decode, req), _decode_all(decode, req))
     a, b = serve(engine, body)
     assert sum(len(m.token_ids) for m in a) == 4 and sum(len(m.token_ids) for m in b) == 4
+
+
+U32 = st.one_of(st.integers(0, 400), st.sampled_from([2 ** 31, 2 ** 32 - 1]))
+DOUBLE = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(-3, 3))
+fuzz_params = st.builds(
+    pb.SamplingParams,
+    max_tokens=st.one_of(st.integers(0, 6), st.just(2 ** 32 - 1)),
+    temperature=DOUBLE, top_p=DOUBLE, top_k=st.integers(-2 ** 31, 2 ** 31 - 1),
+    min_p=DOUBLE, seed=st.integers(-2 ** 63, 2 ** 63 - 1), repetition_penalty=DOUBLE,
+    presence_penalty=DOUBLE, frequency_penalty=DOUBLE,
+    stop=st.lists(st.text(max_size=5), max_size=3), stop_token_ids=st.lists(U32, max_size=3),
+    ignore_eos=st.booleans(), logprobs=st.one_of(st.integers(0, 25), st.just(2 ** 32 - 1)),
+    min_tokens=st.one_of(st.integers(0, 3), st.just(2 ** 32 - 1)))
+fuzz_decode = st.builds(
+    pb.DecodeRequest, request_id=st.text(max_size=8),
+    prompt_token_ids=st.lists(U32, max_size=8), params=fuzz_params,
+    first_token_id=st.one_of(st.none(), U32),
+    block_keys=st.lists(st.binary(max_size=40), max_size=3),
+    cache_salt=st.one_of(st.none(), st.text(max_size=8)))
+
+
+valid_decode = st.builds(
+    pb.DecodeRequest, request_id=st.text(max_size=8),
+    prompt_token_ids=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8),
+    params=st.builds(pb.SamplingParams, max_tokens=st.integers(2, 6),
+                     temperature=st.floats(0, 2), top_k=st.integers(0, 50),
+                     stop_token_ids=st.lists(st.integers(0, VOCAB - 1), max_size=3),
+                     min_tokens=st.integers(0, 2), logprobs=st.integers(0, 5),
+                     seed=st.integers(-2 ** 63, 2 ** 63 - 1)),
+    first_token_id=st.one_of(st.none(), st.integers(0, VOCAB - 1)),
+    block_keys=st.lists(st.binary(max_size=40), max_size=2))
+
+
+def test_fuzzed_decode_requests_are_served_or_refused(engine):
+    """hypothesis (derandomized) over DecodeRequest: each call ends OK or INVALID_ARGUMENT,
+    never INTERNAL / UNKNOWN / UNAVAILABLE, and the engine ends intact."""
+    codes = {}
+
+    async def call(req):
+        async with grpc.aio.insecure_channel(engine) as ch:
+            return await _code(_decode_all(pb_grpc.DecodeServiceStub(ch), req))
+
+    @settings(max_examples=120, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.one_of(fuzz_decode, valid_decode))
+    def one(req):
+        code = asyncio.run(call(req))
+        codes[code] = codes.get(code, 0) + 1
+        assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT), (req, code)
+
+    before = serve(engine, lambda ch: pb_grpc.DecodeServiceStub(ch).GetLoad(pb.LoadRequest()))
+    one()
+    assert codes.get(grpc.StatusCode.OK, 0) >= 5, codes
+    load = serve(engine, _settled)
+    assert load.num_step_failures == before.num_step_failures
+    assert load.num_free_blocks == load.num_total_blocks and load.num_running == 0
