@@ -56,12 +56,12 @@ def build_app(state: RouterState) -> FastAPI:
     app.add_middleware(EdgeMiddleware, metrics=state.metrics,
                        max_body_bytes=state.config.limits.max_body_bytes)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
         return await _generate(request, state, "/v1/completions", CompletionRequest,
                                completion_job, CompletionFormat, "cmpl")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await _generate(request, state, "/v1/chat/completions", ChatCompletionRequest,
                                chat_job, ChatFormat, "chatcmpl")
@@ -83,7 +83,34 @@ def build_app(state: RouterState) -> FastAPI:
     async def metrics():
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
+    app.openapi = _openapi(app)
     return app
+
+
+_REF = "#/components/schemas/{model}"
+
+
+def _body_schema(model) -> dict:
+    """The request body in /openapi.json (the routes parse it themselves, to answer every
+    malformed body in OpenAI's shape); its nested models go to components (_openapi)."""
+    schema = model.model_json_schema(ref_template=_REF)
+    schema.pop("$defs", None)
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": schema}}}}
+
+
+def _openapi(app: FastAPI):
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                comps.update(model.model_json_schema(ref_template=_REF).get("$defs", {}))
+            app.openapi_schema = schema
+        return app.openapi_schema
+    return openapi
 
 
 async def _generate(request: Request, state: RouterState, endpoint: str, body_type, job_fn,
