@@ -72,6 +72,10 @@ class RouterServicer(pb_grpc.RouterServicer):
         except APIError as err:
             status = err.grpc_code.name
             await _abort(context, err)
+        except Exception as exc:
+            log.exception("Generate failed while streaming")
+            status = grpc.StatusCode.INTERNAL.name
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
         finally:
             run.close()  # also when the client cancelled: aborts in the engine
             self._state.metrics.in_flight.dec()
