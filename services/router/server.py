@@ -97,7 +97,9 @@ async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
     http = _Uvicorn(uvicorn.Config(build_app(state), host=cfg.host, port=cfg.port,
                                    log_level="warning", lifespan="off",
                                    timeout_graceful_shutdown=max(1, int(cfg.grace_s)),
-                                   limit_concurrency=lim.http_max_concurrency,
+                                   # a backstop on connections: requests past
+                                   # http_max_concurrency get an OpenAI-shaped 503 first
+                                   limit_concurrency=2 * lim.http_max_concurrency + 64,
                                    timeout_keep_alive=lim.http_keep_alive_s,
                                    h11_max_incomplete_event_size=lim.http_max_header_bytes,
                                    http=head_timeout_protocol(lim.http_header_timeout_s)))

@@ -143,3 +143,28 @@ def test_request_deadline(stream):
     r = run(main())
     # the fake holds the first token back for 2 s; the router waits for it before answering
     assert assert_openai_error(r, 504)["code"] == "deadline_exceeded"
+
+
+def test_concurrency_limit_is_an_openai_503():
+    async def main():
+        fake = await FakeInstance.start(tokens=2, delay_s=2.0)
+        running = await start_router(RouterConfig(
+            model="fake", backends=(fake.address,), port=0, grpc_port=-1,
+            limits=LimitsConfig(http_max_concurrency=1)), tokenizer=FakeTokenizer())
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{running.http_port}",
+                                         timeout=20) as c:
+                slow = asyncio.ensure_future(c.post("/v1/completions",
+                                                    json={"prompt": "slow", "max_tokens": 2}))
+                while fake.calls == 0:  # the slow one holds the only slot until its token
+                    await asyncio.sleep(0.01)
+                refused = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                return await slow, refused, (await c.get("/metrics")).text
+        finally:
+            await running.stop()
+            await fake.stop()
+    slow, refused, metrics = run(main())
+    assert slow.status_code == 200
+    assert assert_openai_error(refused, 503)["code"] == "too_many_connections"
+    assert refused.headers["retry-after"] == "1"
+    assert counted(metrics, "/v1/completions", 503) == 1

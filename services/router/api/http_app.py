@@ -54,7 +54,8 @@ def build_app(state: RouterState) -> FastAPI:
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.add_middleware(EdgeMiddleware, metrics=state.metrics,
-                       max_body_bytes=state.config.limits.max_body_bytes)
+                       max_body_bytes=state.config.limits.max_body_bytes,
+                       max_in_flight=state.config.limits.http_max_concurrency)
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):

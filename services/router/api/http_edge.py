@@ -60,10 +60,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class EdgeMiddleware:
-    def __init__(self, app, metrics: RouterMetrics, max_body_bytes: int):
+    def __init__(self, app, metrics: RouterMetrics, max_body_bytes: int,
+                 max_in_flight: int = 2048):
         self.app = app
         self.metrics = metrics
         self.max_body = max_body_bytes
+        self.max_in_flight = max_in_flight  # requests being answered; more get a 503
+        self.in_flight = 0
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -77,6 +80,17 @@ class EdgeMiddleware:
                 self.metrics.requests.labels(route, str(message["status"])).inc()
             await send(message)
 
+        if self.in_flight >= self.max_in_flight:
+            body = error_body(503, "the router is answering as many requests as it may; retry "
+                              "shortly", "service_unavailable", code="too_many_connections")
+            return await _answer(counted_send, 503, body, retry_after=1)
+        self.in_flight += 1
+        try:
+            await self._serve(scope, receive, counted_send, started)
+        finally:
+            self.in_flight -= 1
+
+    async def _serve(self, scope, receive, counted_send, started):
         declared = _content_length(scope)
         if declared is not None and declared > self.max_body:
             return await _answer(counted_send, 413, error_body(
@@ -117,8 +131,10 @@ def _content_length(scope):
     return None
 
 
-async def _answer(send, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+async def _answer(send, status: int, body: bytes, retry_after=None) -> None:
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
