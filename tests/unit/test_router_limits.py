@@ -149,3 +149,25 @@ def test_a_client_that_trickles_its_headers_is_cut_off():
                     return s.recv(1024)  # b"" once the server closes; a timeout fails
             return await loop.run_in_executor(None, slowloris)
     assert asyncio.run(asyncio.wait_for(main(), 60)) == b""
+
+
+def test_limit_flags_reach_the_config():
+    import argparse
+
+    from pdserve.services import cli_serve
+    from pdserve.services.router.cli_args import router_config
+
+    p = argparse.ArgumentParser()
+    cli_serve.add_subcommands(p.add_subparsers(dest="cmd"))
+    args = p.parse_args(["serve", "router", "--model", "tiny", "--backends", "127.0.0.1:1",
+                         "--max-body-bytes", "1000", "--request-timeout", "5",
+                         "--http-header-timeout", "2", "--grpc-max-message-bytes", "99",
+                         "--max-priority", "3", "--tenant-secret-file", "/s"])
+    cfg = router_config(args, cli_serve._addresses)
+    assert (cfg.limits.max_body_bytes, cfg.limits.request_timeout_s,
+            cfg.limits.http_header_timeout_s, cfg.limits.grpc_max_message_bytes) == (1000, 5, 2,
+                                                                                     99)
+    assert cfg.admission.max_priority == 3 and cfg.tenant_secret_file == "/s"
+    defaults = router_config(p.parse_args(["serve", "router", "--model", "tiny", "--backends",
+                                           "127.0.0.1:1"]), cli_serve._addresses)
+    assert defaults.limits == LimitsConfig()
