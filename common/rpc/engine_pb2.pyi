@@ -198,7 +198,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_usage", "num_waiting_tokens", "num_free_blocks", "num_total_blocks", "num_aborted", "num_finished", "num_waiting_for_kv", "num_kv_load_failures", "kv")
+    __slots__ = ("num_running", "num_waiting", "kv_usage", "num_waiting_tokens", "num_free_blocks", "num_total_blocks", "num_aborted", "num_finished", "num_waiting_for_kv", "num_kv_load_failures", "kv", "num_step_failures")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,7 @@ class LoadResponse(_message.Message):
     NUM_WAITING_FOR_KV_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEP_FAILURES_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_usage: float
@@ -221,7 +222,8 @@ class LoadResponse(_message.Message):
     num_waiting_for_kv: int
     num_kv_load_failures: int
     kv: KVTransferStats
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_waiting_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_kv_load_failures: _Optional[int] = ..., kv: _Optional[_Union[KVTransferStats, _Mapping]] = ...) -> None: ...
+    num_step_failures: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_waiting_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_kv_load_failures: _Optional[int] = ..., kv: _Optional[_Union[KVTransferStats, _Mapping]] = ..., num_step_failures: _Optional[int] = ...) -> None: ...
 
 class KVTransferStats(_message.Message):
     __slots__ = ("blocks_saved", "blocks_loaded", "bytes_saved", "bytes_loaded", "save_failures", "load_failures", "lookup_failures", "save_seconds", "load_seconds", "failure_reasons")

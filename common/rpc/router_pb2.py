@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import engine_pb2 as engine__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0crouter.proto\x12\npdserve.v1\x1a\x0c\x65ngine.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12*\n\x06params\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_cache_salt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa4\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12>\n\tbreakdown\x18\x06 \x03(\x0b\x32+.pdserve.v1.GenerateResponse.BreakdownEntry\x1a\x30\n\x0e\x42reakdownEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x15\n\x13RouterHealthRequest\"Y\n\x14RouterHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x18\n\x10healthy_backends\x18\x02 \x01(\r\x12\x16\n\x0etotal_backends\x18\x03 \x01(\r2\x9e\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\x06Health\x12\x1f.pdserve.v1.RouterHealthRequest\x1a .pdserve.v1.RouterHealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0crouter.proto\x12\npdserve.v1\x1a\x0c\x65ngine.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12*\n\x06params\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_cache_salt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb8\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12>\n\tbreakdown\x18\x06 \x03(\x0b\x32+.pdserve.v1.GenerateResponse.BreakdownEntry\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x1a\x30\n\x0e\x42reakdownEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x15\n\x13RouterHealthRequest\"Y\n\x14RouterHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x18\n\x10healthy_backends\x18\x02 \x01(\r\x12\x16\n\x0etotal_backends\x18\x03 \x01(\r2\x9e\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\x06Health\x12\x1f.pdserve.v1.RouterHealthRequest\x1a .pdserve.v1.RouterHealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,13 +45,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=421
   _globals['_USAGE']._serialized_end=501
   _globals['_GENERATERESPONSE']._serialized_start=504
-  _globals['_GENERATERESPONSE']._serialized_end=796
-  _globals['_GENERATERESPONSE_BREAKDOWNENTRY']._serialized_start=748
-  _globals['_GENERATERESPONSE_BREAKDOWNENTRY']._serialized_end=796
-  _globals['_ROUTERHEALTHREQUEST']._serialized_start=798
-  _globals['_ROUTERHEALTHREQUEST']._serialized_end=819
-  _globals['_ROUTERHEALTHRESPONSE']._serialized_start=821
-  _globals['_ROUTERHEALTHRESPONSE']._serialized_end=910
-  _globals['_ROUTER']._serialized_start=913
-  _globals['_ROUTER']._serialized_end=1071
+  _globals['_GENERATERESPONSE']._serialized_end=816
+  _globals['_GENERATERESPONSE_BREAKDOWNENTRY']._serialized_start=768
+  _globals['_GENERATERESPONSE_BREAKDOWNENTRY']._serialized_end=816
+  _globals['_ROUTERHEALTHREQUEST']._serialized_start=818
+  _globals['_ROUTERHEALTHREQUEST']._serialized_end=839
+  _globals['_ROUTERHEALTHRESPONSE']._serialized_start=841
+  _globals['_ROUTERHEALTHRESPONSE']._serialized_end=930
+  _globals['_ROUTER']._serialized_start=933
+  _globals['_ROUTER']._serialized_end=1091
 # @@protoc_insertion_point(module_scope)

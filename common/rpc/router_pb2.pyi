@@ -56,7 +56,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "usage", "breakdown")
+    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "usage", "breakdown", "request_id")
     class BreakdownEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -70,13 +70,15 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_engine_pb2.TokenLogprob]
     finish_reason: _engine_pb2.FinishReason
     usage: Usage
     breakdown: _containers.ScalarMap[str, float]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_engine_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_engine_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., breakdown: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_engine_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_engine_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., breakdown: _Optional[_Mapping[str, float]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class RouterHealthRequest(_message.Message):
     __slots__ = ()

@@ -5,7 +5,9 @@ Services call these at the gRPC edge only; nothing past them sees a generated cl
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 from pdserve.common.engine.outputs import (EngineStats, FinishReason, RequestOutput,
                                            TokenLogprob)
@@ -22,6 +24,81 @@ FINISH_TO_PROTO = {
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
 FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
+
+# What one request may carry into an engine. The router enforces tighter, configurable
+# limits (docs/hardening.md); these hold for any caller that reaches the engine's port.
+MAX_REQUEST_ID_CHARS = 256
+MAX_SALT_CHARS = 1024
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096  # per stop string
+MAX_BLOCK_KEY_BYTES = 64
+MAX_TOKEN_COUNT = 2 ** 32 - 1  # max_tokens / min_tokens travel as uint32
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The engine's shape, as the gRPC edge checks requests against it."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int = 0  # 0: unknown (no KV store): block keys bounded by max_model_len
+
+    def __post_init__(self):
+        if self.vocab_size <= 0 or self.max_model_len <= 0 or self.block_size < 0:
+            raise ValueError("vocab_size and max_model_len must be > 0, block_size >= 0")
+
+
+def check_engine_request(limits: EngineLimits, request_id: str, prompt_ids: Sequence[int],
+                         params: SamplingParams, first_token_id: Optional[int] = None,
+                         block_keys: Sequence[bytes] = ()) -> None:
+    """Raises ValueError naming the field for anything the engine must not be handed: token
+    ids outside [0, vocab), a prompt that leaves no room, oversized strings and lists. The
+    engine re-checks what it owns; this runs first, before anything is queued."""
+    vocab = limits.vocab_size
+    _bound(len(request_id) <= MAX_REQUEST_ID_CHARS, "request_id",
+           f"at most {MAX_REQUEST_ID_CHARS} characters", len(request_id))
+    _bound(0 < len(prompt_ids) < limits.max_model_len, "prompt_token_ids",
+           f"1 to {limits.max_model_len - 1} ids", len(prompt_ids))
+    _bound(_ids_in(prompt_ids, vocab), "prompt_token_ids", f"ids in [0, {vocab})",
+           _out_of(prompt_ids, vocab))
+    _bound(_ids_in(params.stop_token_ids, vocab), "stop_token_ids", f"ids in [0, {vocab})",
+           _out_of(params.stop_token_ids, vocab))
+    if first_token_id is not None:
+        _bound(0 <= first_token_id < vocab, "first_token_id", f"in [0, {vocab})",
+               first_token_id)
+    _bound(params.max_tokens <= MAX_TOKEN_COUNT, "max_tokens", f"<= {MAX_TOKEN_COUNT}",
+           params.max_tokens)
+    _bound(len(params.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings",
+           len(params.stop))
+    longest = max((len(s) for s in params.stop), default=0)
+    _bound(longest <= MAX_STOP_CHARS, "stop", f"strings of at most {MAX_STOP_CHARS} characters",
+           longest)
+    salt = params.cache_salt or ""
+    _bound(len(salt) <= MAX_SALT_CHARS, "cache_salt", f"at most {MAX_SALT_CHARS} characters",
+           len(salt))
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
+        value = getattr(params, name)
+        _bound(math.isfinite(value), name, "a finite number", value)
+    bs = limits.block_size or 1
+    max_keys = limits.max_model_len // bs + 1
+    _bound(len(block_keys) <= max_keys, "block_keys", f"at most {max_keys} keys",
+           len(block_keys))
+    _bound(all(len(k) <= MAX_BLOCK_KEY_BYTES for k in block_keys), "block_keys",
+           f"keys of at most {MAX_BLOCK_KEY_BYTES} bytes", "a longer key")
+
+
+def _bound(ok: bool, name: str, allowed: str, got) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {got!r}")
+
+
+def _ids_in(ids: Sequence[int], vocab: int) -> bool:
+    return not ids or (min(ids) >= 0 and max(ids) < vocab)
+
+
+def _out_of(ids: Sequence[int], vocab: int):
+    return next((t for t in ids if not 0 <= t < vocab), None)
 
 
 def params_from_proto(msg: pb.SamplingParams, cache_salt: Optional[str] = None) -> SamplingParams:

@@ -20,8 +20,10 @@ from pdserve.common.engine.kv_transfer import KVTransferParams
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
 from pdserve.common.telemetry.tracing import server_span
-from pdserve.services.engine_host.async_engine import AsyncEngine, EngineDeadError
-from pdserve.services.common.convert import output_to_proto, params_from_proto
+from pdserve.services.engine_host.async_engine import (AsyncEngine, EngineDeadError,
+                                                       RequestFailedError)
+from pdserve.services.common.convert import (EngineLimits, check_engine_request,
+                                             output_to_proto, params_from_proto)
 from pdserve.services.engine_host.engine_telemetry import DECODE_RPC, EngineTelemetry, finish_decode
 from pdserve.services.engine_host.health import InstanceInfo, health_response, load_response
 
@@ -32,6 +34,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self._engine = engine
         self._info = info
         self._tel = telemetry
+        self._limits = EngineLimits(info.vocab_size, info.max_model_len, info.block_size)
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         # a child of the caller's span when the call's metadata carries a trace context
@@ -56,10 +59,14 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         metrics = self._tel.metrics
         try:
             params = params_from_proto(request.params, salt)
+            prompt = list(request.prompt_token_ids)
+            check_engine_request(self._limits, request.request_id, prompt, params, first,
+                                 request.block_keys)
             if request.block_keys:
                 kv_transfer = KVTransferParams(tuple(request.block_keys))
-            stream = await self._engine.submit(request.request_id or uuid.uuid4().hex,
-                                               list(request.prompt_token_ids), params,
+            # The engine's key is ours: a caller's id is only a label (it could name another
+            # caller's request).
+            stream = await self._engine.submit(uuid.uuid4().hex, prompt, params,
                                                first_token_id=first, kv_transfer=kv_transfer)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -92,6 +99,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     timings.breakdown.update(breakdown)
                     msg.timings.CopyFrom(timings)
                 yield msg
+        except RequestFailedError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine failed: {exc}")
         finally:

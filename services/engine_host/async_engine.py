@@ -30,7 +30,12 @@ log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped (a step raised, or the service is shutting down)."""
+    """The engine thread stopped (the service is shutting down, or the loop itself broke)."""
+
+
+class RequestFailedError(RuntimeError):
+    """A step raised while this request was in the batch: the request is aborted, the engine
+    goes on serving the others."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class AsyncEngine:
         self._dead: Optional[BaseException] = None
         self.num_aborted = 0  # unfinished requests aborted by their readers (engine thread)
         self.num_finished = 0  # requests that ended by stop or length (engine thread)
+        self.num_step_failures = 0  # steps that raised; their batches were aborted
 
     # --- event loop side ---
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -126,7 +132,11 @@ class AsyncEngine:
                     break
                 if self.core.has_unfinished_requests():
                     t0 = time.time_ns()
-                    outputs = self.core.step()
+                    try:
+                        outputs = self.core.step()
+                    except Exception as exc:  # one bad batch must not end the engine
+                        self._step_failed(exc)
+                        continue
                     t1 = time.time_ns()
                     self._timelines.observe(t0, t1)  # before publishing: see RequestTimeline
                     self._publish(outputs, t1)
@@ -176,6 +186,21 @@ class AsyncEngine:
         self._streams[rid] = stream
         self._timelines.watch(rid, stream.timeline)
         self._loop.call_soon_threadsafe(stream.accept)
+
+    def _step_failed(self, exc: Exception) -> None:
+        """Aborts the requests that were running when the step raised (the batch), each
+        failing with a clear error; waiting requests and the loop go on. An abort that raises
+        too means the core is broken: that ends the loop (see `_run`)."""
+        log.error("engine step failed; aborting the batch", exc_info=exc)
+        self.num_step_failures += 1
+        err = RequestFailedError(f"the engine failed while computing this request "
+                                 f"({type(exc).__name__}: {exc}); it was aborted")
+        for rid in [r.request_id for r in self.core.scheduler.running]:
+            self.core.abort_request(rid)
+            self._timelines.forget(rid)
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                self._loop.call_soon_threadsafe(stream.fail, err)
 
     def _publish(self, outputs: list[RequestOutput], now_ns: int) -> None:
         batch = []

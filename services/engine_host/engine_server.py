@@ -19,6 +19,7 @@ from typing import Optional
 import grpc
 
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
+from pdserve.services.common.grpc_limits import grpc_limits
 from pdserve.services.common.signals import wait_for_signal
 from pdserve.common.telemetry.engine_metrics import EngineMetrics
 from pdserve.common.telemetry.tracing import Tracing, setup_tracing
@@ -82,7 +83,8 @@ async def start_engine_server(cfg: EngineServiceConfig, core,
     metrics = EngineMetrics(cfg.model, stats_source=lambda: (engine.stats(), engine.kv_stats()))
     tel = EngineTelemetry(tracer=tracing.tracer if tracing is not None else None,
                           metrics=metrics, kv_store=kv is not None)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=grpc_limits(cfg.grpc_max_message_bytes),
+                             maximum_concurrent_rpcs=cfg.grpc_max_concurrent_rpcs)
     if cfg.role in ("unified", "prefill"):
         pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(engine, info, tel), server)
     if cfg.role in ("unified", "decode"):

@@ -37,6 +37,10 @@ class EngineServiceConfig:
     attention_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA)
     cpu_gemm: str = "auto"  # auto | onednn | torch (auto: oneDNN prepacked on a CPU that has it)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor parallel workers
+    # the gRPC server: the largest message each way, and the RPCs served at once (more get
+    # RESOURCE_EXHAUSTED); docs/hardening.md
+    grpc_max_message_bytes: int = 4 * 1024 * 1024
+    grpc_max_concurrent_rpcs: int = 2048
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -51,6 +55,8 @@ class EngineServiceConfig:
             raise ValueError(f"cpus must be core indices >= 0, got {self.cpus}")
         if self.max_pending_outputs < 1:
             raise ValueError(f"max_pending_outputs must be >= 1, got {self.max_pending_outputs}")
+        if self.grpc_max_message_bytes < 1 or self.grpc_max_concurrent_rpcs < 1:
+            raise ValueError("grpc_max_message_bytes and grpc_max_concurrent_rpcs must be >= 1")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         self.engine_config()  # the engine's own checks, now rather than after startup

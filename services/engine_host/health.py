@@ -44,6 +44,7 @@ def load_response(engine: AsyncEngine) -> pb.LoadResponse:
     load = stats_to_proto(engine.stats())
     load.num_aborted = engine.num_aborted
     load.num_finished = engine.num_finished
+    load.num_step_failures = engine.num_step_failures
     kv = engine.kv_stats()
     if kv is not None:
         load.kv.CopyFrom(kv_stats_to_proto(kv))

@@ -20,8 +20,10 @@ from pdserve.common.engine.outputs import FinishReason
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
 from pdserve.common.telemetry.tracing import server_span
-from pdserve.services.engine_host.async_engine import AsyncEngine, EngineDeadError
-from pdserve.services.common.convert import (FINISH_TO_PROTO, logprob_to_proto,
+from pdserve.services.engine_host.async_engine import (AsyncEngine, EngineDeadError,
+                                                       RequestFailedError)
+from pdserve.services.common.convert import (FINISH_TO_PROTO, EngineLimits,
+                                             check_engine_request, logprob_to_proto,
                                              params_from_proto)
 from pdserve.services.engine_host.engine_telemetry import PREFILL_RPC, EngineTelemetry, finish_prefill
 from pdserve.services.engine_host.health import InstanceInfo, health_response, load_response
@@ -34,6 +36,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self._engine = engine
         self._info = info
         self._tel = telemetry
+        self._limits = EngineLimits(info.vocab_size, info.max_model_len, info.block_size)
         self._tokenizer = engine.core.tokenizer  # read-only: safe off the engine thread
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
@@ -51,9 +54,12 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         arrival_ns = time.time_ns()
         try:
             params = params_from_proto(request.params, salt)
+            prompt = list(request.prompt_token_ids)
+            check_engine_request(self._limits, request.request_id, prompt, params)
             one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-            stream = await self._engine.submit(request.request_id or uuid.uuid4().hex,
-                                               list(request.prompt_token_ids), one)
+            # The engine's key is ours: a caller's id is only a label (it could name another
+            # caller's request).
+            stream = await self._engine.submit(uuid.uuid4().hex, prompt, one)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:
@@ -62,6 +68,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             out = None
             async for piece in stream:
                 out = piece if out is None else merge_outputs(out, piece)
+        except RequestFailedError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine failed: {exc}")
         finally:

@@ -7,6 +7,7 @@ import argparse
 from pdserve.services.router.admission.admission_config import AdmissionConfig
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.dispatch.fallback_config import FallbackConfig
+from pdserve.services.router.limits_config import LimitsConfig
 from pdserve.services.router.routing.routing_config import POLICIES, CostWeights, RoutingConfig
 
 
@@ -16,8 +17,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "prompt tokens queued than this (0: no limit)")
     p.add_argument("--registry", default="", help="redis://HOST:PORT/DB: instances join "
                    "and leave through the registry (with --kv-store: disaggregated)")
-    p.add_argument("--api-key-file", default="", help="one key per line; requests then need "
-                   "Authorization: Bearer KEY (401 otherwise); rate limits are per key")
+    p.add_argument("--api-key-file", default="", help="one key per line (KEY [tenant=NAME] "
+                   "[max_priority=N], docs/hardening.md); requests then need "
+                   "Authorization: Bearer KEY (401 otherwise); rate limits are per key, and "
+                   "each tenant gets its own prefix cache")
+    p.add_argument("--tenant-secret-file", default=RouterConfig.tenant_secret_file,
+                   help="the secret that keys tenants' cache salts; routers sharing a cache "
+                        "need the same one (default: random per start)")
     r = p.add_argument_group("routing")
     r.add_argument("--decode-policy", choices=POLICIES, default="kv_aware")
     r.add_argument("--prefill-policy", choices=POLICIES, default="kv_aware")
@@ -41,6 +47,28 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--rate-limit-burst", type=float, default=0.0)
     a.add_argument("--rate-limit-tokens-per-s", type=float, default=0.0,
                    help="prompt + max tokens per key per second; 0: off")
+    a.add_argument("--max-priority", type=int, default=AdmissionConfig.max_priority,
+                   help="the highest x-priority a client without an API key gets (keys: "
+                        "max_priority= in the key file)")
+    lim = p.add_argument_group("limits (docs/hardening.md)")
+    d = LimitsConfig()
+    lim.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                     help="largest HTTP request body (413 beyond)")
+    lim.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
+                     help="longest stop string")
+    lim.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
+                     help="total seconds a request may take at the router (504 after; 0: none)")
+    lim.add_argument("--http-max-concurrency", type=int, default=d.http_max_concurrency,
+                     help="HTTP connections and requests served at once (503 beyond)")
+    lim.add_argument("--http-keep-alive", type=float, default=d.http_keep_alive_s,
+                     help="seconds an idle keep-alive connection stays open")
+    lim.add_argument("--http-header-timeout", type=float, default=d.http_header_timeout_s,
+                     help="seconds a client has to send its request line and headers")
+    lim.add_argument("--grpc-max-message-bytes", type=int, default=d.grpc_max_message_bytes,
+                     help="largest gRPC message on the router's API")
+    lim.add_argument("--grpc-max-concurrent-rpcs", type=int,
+                     default=d.grpc_max_concurrent_rpcs,
+                     help="gRPC calls served at once (RESOURCE_EXHAUSTED beyond)")
     f = p.add_argument_group("fallback ladder")
     f.add_argument("--prefill-retries", type=int, default=1)
     f.add_argument("--decode-retries", type=int, default=1)
@@ -68,7 +96,13 @@ def router_config(args, addresses) -> RouterConfig:
     admission = AdmissionConfig(
         args.max_prefilling, args.max_queued, args.max_queued_tokens, args.ttft_slo,
         args.prefill_rate, args.rate_limit_rps, args.rate_limit_burst,
-        args.rate_limit_tokens_per_s, args.queue_timeout)
+        args.rate_limit_tokens_per_s, args.queue_timeout, max_priority=args.max_priority)
+    limits = LimitsConfig(
+        max_body_bytes=args.max_body_bytes, max_stop_chars=args.max_stop_chars,
+        request_timeout_s=args.request_timeout, http_max_concurrency=args.http_max_concurrency,
+        http_keep_alive_s=args.http_keep_alive, http_header_timeout_s=args.http_header_timeout,
+        grpc_max_message_bytes=args.grpc_max_message_bytes,
+        grpc_max_concurrent_rpcs=args.grpc_max_concurrent_rpcs)
     fallback = FallbackConfig(args.prefill_retries, args.decode_retries, args.retry_backoff,
                               args.breaker_failures, args.breaker_open,
                               args.stream_idle_timeout)
@@ -79,5 +113,5 @@ def router_config(args, addresses) -> RouterConfig:
         prefill_backends=addresses(args.prefill_backends), kv_store=args.kv_store,
         min_prefill_tokens=args.min_prefill_tokens, prefill_timeout_s=args.prefill_timeout,
         max_prefill_queue_tokens=args.max_prefill_queue_tokens, registry_url=args.registry,
-        api_key_file=args.api_key_file, routing=routing, admission=admission,
-        fallback=fallback)
+        api_key_file=args.api_key_file, tenant_secret_file=args.tenant_secret_file,
+        routing=routing, admission=admission, fallback=fallback, limits=limits)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pdserve.services.router.admission.admission_config import AdmissionConfig
 from pdserve.services.router.dispatch.fallback_config import FallbackConfig
+from pdserve.services.router.limits_config import LimitsConfig
 from pdserve.services.router.routing.routing_config import RoutingConfig
 
 
@@ -39,9 +40,12 @@ class RouterConfig:
     registry_interval_s: float = 0.5  # how often the router reads it
     dns_interval_s: float = 5.0
     api_key_file: str = ""  # one key per line; set -> requests need Authorization: Bearer
+    # The secret that keys tenants' cache salts (admission/tenants.py); "" -> random per start
+    tenant_secret_file: str = ""
     routing: RoutingConfig = RoutingConfig()
     admission: AdmissionConfig = AdmissionConfig()
     fallback: FallbackConfig = FallbackConfig()
+    limits: LimitsConfig = LimitsConfig()
 
     def __post_init__(self):
         if not self.model:

@@ -23,6 +23,7 @@ import uvicorn
 
 from pdserve.common.rpc import router_pb2_grpc as pb_grpc
 from pdserve.common.telemetry.metrics import RouterMetrics
+from pdserve.services.common.grpc_limits import grpc_limits
 from pdserve.services.common.signals import wait_for_signal
 from pdserve.services.router.routing.backends import BackendPool
 from pdserve.services.registry.config import RegistryConfig
@@ -34,6 +35,7 @@ from pdserve.services.router.routing.registry_watch import RegistryWatcher
 from pdserve.services.router.api.router_tracing import setup_router_tracing
 from pdserve.services.router.api.grpc_servicer import RouterServicer
 from pdserve.services.router.api.http_app import build_app
+from pdserve.services.router.api.http_protocol import head_timeout_protocol
 from pdserve.services.router.state import RouterState
 from pdserve.services.router.api.tokenizer_loader import load_tokenizer
 
@@ -83,15 +85,24 @@ async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
     watchers = await _watchers(cfg, pool, disagg.prefill if disagg is not None else None)
     grpc_server, grpc_port = None, None
     if cfg.grpc_port >= 0:
-        grpc_server = grpc.aio.server()
+        grpc_server = grpc.aio.server(
+            options=grpc_limits(cfg.limits.grpc_max_message_bytes),
+            maximum_concurrent_rpcs=cfg.limits.grpc_max_concurrent_rpcs)
         pb_grpc.add_RouterServicer_to_server(RouterServicer(state), grpc_server)
         grpc_port = grpc_server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
         if grpc_port == 0:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.grpc_port}")
         await grpc_server.start()
+    lim = cfg.limits
     http = _Uvicorn(uvicorn.Config(build_app(state), host=cfg.host, port=cfg.port,
                                    log_level="warning", lifespan="off",
-                                   timeout_graceful_shutdown=max(1, int(cfg.grace_s))))
+                                   timeout_graceful_shutdown=max(1, int(cfg.grace_s)),
+                                   # a backstop on connections: requests past
+                                   # http_max_concurrency get an OpenAI-shaped 503 first
+                                   limit_concurrency=2 * lim.http_max_concurrency + 64,
+                                   timeout_keep_alive=lim.http_keep_alive_s,
+                                   h11_max_incomplete_event_size=lim.http_max_header_bytes,
+                                   http=head_timeout_protocol(lim.http_header_timeout_s)))
     task = asyncio.create_task(http.serve(), name="uvicorn")
     while not http.started:
         if task.done():  # it failed to bind, say

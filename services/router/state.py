@@ -55,6 +55,14 @@ class RouterState:
                                  len(prompt))
 
     @property
+    def vocab_size(self) -> Optional[int]:
+        """The smallest vocabulary the healthy instances report (token ids must be below
+        it); the tokenizer's while none has answered."""
+        sizes = [b.health.vocab_size for b in self.pool.healthy
+                 if b.health is not None and b.health.vocab_size]
+        return min(sizes) if sizes else self.tokenizer.vocab_size
+
+    @property
     def text_of(self) -> TokenText:
         return TokenText(self.tokenizer)
 

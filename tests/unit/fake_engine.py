@@ -9,6 +9,7 @@ taken when a request is added and returned on finish/abort, so tests can check t
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 from pdserve.common.engine.outputs import (EngineStats, FinishReason, RequestOutput,
                                            TokenLogprob)
@@ -63,6 +64,11 @@ class FakeEngineCore:  # implements pdserve.common.engine.protocol.EngineClient
         self.num_free_blocks -= need
         self._reqs[request_id] = dict(ids=list(prompt_token_ids), params=params, out=[],
                                       blocks=need)
+
+    @property
+    def scheduler(self):
+        """What AsyncEngine reads after a failed step: every request runs in every step."""
+        return SimpleNamespace(running=[SimpleNamespace(request_id=r) for r in self._reqs])
 
     def abort_request(self, request_id):
         req = self._reqs.pop(request_id, None)

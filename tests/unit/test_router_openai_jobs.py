@@ -14,6 +14,7 @@ from pdserve.tests.unit.fake_engine import FakeTokenizer
 
 class Pool:
     max_model_len = 64
+    healthy = ()
 
 
 def state(**kw):

@@ -7,7 +7,8 @@ import pytest
 
 from pdserve.common.engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.services.engine_host.async_engine import AsyncEngine, EngineDeadError
+from pdserve.services.engine_host.async_engine import (AsyncEngine, EngineDeadError,
+                                                       RequestFailedError)
 from pdserve.services.engine_host.request_stream import RequestStream
 from pdserve.tests.unit.fake_engine import FakeEngineCore
 
@@ -98,21 +99,49 @@ def test_refused_request_raises_and_close_aborts_a_running_one():
     assert asyncio.run(_with_engine(core, body)) == core.num_total_blocks
 
 
-def test_a_crashing_engine_fails_its_streams():
+def test_a_failing_step_fails_its_batch_and_the_engine_goes_on():
     core = FakeEngineCore(step_s=0.001)
     crashed = threading.Event()
+    real_step = core.step
 
-    def boom():
-        crashed.set()
-        raise RuntimeError("kernel exploded")
+    def boom_once():
+        if not crashed.is_set():
+            crashed.set()
+            raise IndexError("index 1000000000 is out of bounds")
+        return real_step()
 
     async def body(engine):
         s = await engine.submit("r", [1], SamplingParams(max_tokens=50))
-        core.step = boom
+        core.step = boom_once
+        with pytest.raises(RequestFailedError, match="IndexError"):
+            async for _ in s:
+                pass
+        s.close()
+        assert crashed.is_set() and engine.healthy and engine.num_step_failures == 1
+        s2 = await engine.submit("r2", [1], SamplingParams(max_tokens=3))
+        outs = [o async for o in s2]
+        assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 3
+        return core.num_free_blocks
+    assert asyncio.run(_with_engine(core, body)) == core.num_total_blocks
+
+
+def test_a_broken_core_ends_the_engine():
+    """When even aborting the batch raises, the loop ends and every stream fails."""
+    core = FakeEngineCore(step_s=0.001)
+
+    def boom():
+        raise RuntimeError("kernel exploded")
+
+    def broken_abort(rid):
+        raise RuntimeError("state corrupted")
+
+    async def body(engine):
+        s = await engine.submit("r", [1], SamplingParams(max_tokens=50))
+        core.step, core.abort_request = boom, broken_abort
         with pytest.raises(EngineDeadError):
             async for _ in s:
                 pass
-        assert crashed.is_set() and not engine.healthy
+        assert not engine.healthy
         with pytest.raises(EngineDeadError):
             await engine.submit("r2", [1], SamplingParams())
     asyncio.run(_with_engine(core, body))

@@ -67,8 +67,24 @@ _FROM_GRPC = {
 }
 
 
+def message_too_large(err: grpc.aio.AioRpcError) -> bool:
+    """gRPC refused a message for its size (either side's limit): the request's fault, not
+    the instance's, so it must never count against the instance's breaker."""
+    return (err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "message larger than max" in (err.details() or ""))
+
+
+def client_fault(err: grpc.aio.AioRpcError) -> bool:
+    """The instance is fine; the request is bad (a 4xx, never an instance failure)."""
+    return (err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
+            or message_too_large(err))
+
+
 def from_backend(err: grpc.aio.AioRpcError) -> APIError:
     """A backend's gRPC failure as the client should see it (same code on the gRPC API)."""
+    if message_too_large(err):
+        return APIError(413, f"the request is too large for the engine: {err.details()}",
+                        code="request_too_large", grpc_code=grpc.StatusCode.RESOURCE_EXHAUSTED)
     status, type_ = _FROM_GRPC.get(err.code(), (500, "internal_error"))
     return APIError(status, err.details() or err.code().name, type_=type_,
                     grpc_code=err.code() if status != 500 else grpc.StatusCode.INTERNAL)

@@ -5,10 +5,15 @@ from __future__ import annotations
 from typing import Optional
 
 from pdserve.services.router.api.errors import bad_request
+from pdserve.services.router.api.openai_protocol import MESSAGE_UNSUPPORTED
+
+MAX_PROMPTS = 64  # a completions batch; prompts x n is bounded by max_n as well
 
 
 def completion_prompts(prompt, tokenizer) -> list[list[int]]:
     """OpenAI's `prompt`: a string, strings, token ids, or lists of token ids."""
+    if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"prompt may list at most {MAX_PROMPTS} prompts", param="prompt")
     if isinstance(prompt, str):
         prompts = [tokenizer.encode(prompt)]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -33,11 +38,22 @@ def chat_prompt(messages: list[dict], tokenizer, add_generation_prompt: bool = T
 
 
 def message_dicts(messages) -> list[dict]:
-    """Typed chat messages to the dicts the template reads; text parts are joined."""
+    """Typed chat messages to the dicts the template reads; text parts are joined. Tool and
+    audio turns and non-text parts are refused with a 400 naming them."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
+        for name in MESSAGE_UNSUPPORTED:
+            if getattr(m, name) not in (None, [], ""):
+                raise bad_request(f"messages[{i}].{name} is not supported by this server",
+                                  param=f"messages.{i}.{name}", code="unsupported_parameter")
         content = m.content
         if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{i}].content[{j}]: only text parts are "
+                                      f"supported, got type {part.type!r}",
+                                      param=f"messages.{i}.content.{j}",
+                                      code="unsupported_parameter")
             content = "".join(part.text for part in content)
         out.append({"role": m.role, "content": content or ""})
     return out

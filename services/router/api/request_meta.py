@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from pdserve.services.router.admission.api_keys import bearer
 from pdserve.services.router.api.errors import bad_request
 
 PRIORITY_RANGE = (-1000, 1000)
@@ -21,17 +20,39 @@ PRIORITY_RANGE = (-1000, 1000)
 @dataclass(frozen=True)
 class RequestMeta:
     api_key: str = ""
-    priority: int = 0
+    priority: int = 0  # as asked; the Gate caps it (per key, or for keyless clients)
     ttft_slo_s: Optional[float] = None  # None: the router's default
     affinity: Optional[str] = None
+    client: str = ""  # the peer's address (rate limits when there are no API keys)
+    # Set by the Gate once the key is checked:
+    tenant: Optional[str] = None  # the key's tenant; None without API keys
+    limit_key: str = ""  # whose rate limit this request counts against
 
 
-def meta_from_headers(get, affinity_header: str, user: Optional[str] = None) -> RequestMeta:
+def meta_from_headers(get, affinity_header: str, user: Optional[str] = None,
+                      client: str = "") -> RequestMeta:
     """`get(name)`: a header's value or None (names lower-case)."""
     return RequestMeta(api_key=bearer(get("authorization")),
                        priority=_priority(get("x-priority")),
                        ttft_slo_s=_slo(get("x-ttft-slo-ms")),
-                       affinity=get(affinity_header) or user or None)
+                       affinity=get(affinity_header) or user or None,
+                       client=client)
+
+
+def grpc_peer_host(peer: str) -> str:
+    """grpc's context.peer() ("ipv4:1.2.3.4:5678", "ipv6:[::1]:5678", "unix:...") without
+    the port: one client, however many connections it opens."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return kind + ":" + rest.rpartition(":")[0]
+    return peer
+
+
+def bearer(authorization: Optional[str]) -> str:
+    if not authorization:
+        return ""
+    scheme, _, token = authorization.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 def metadata_getter(metadata):

@@ -13,6 +13,7 @@ from typing import Optional
 
 from pdserve.services.router.api import openai_format as fmt
 from pdserve.services.router.dispatch.engine_stream import Delta
+from pdserve.services.router.api.deadline import iterate_within
 from pdserve.services.router.api.errors import APIError
 from pdserve.services.router.dispatch.job import prompt_tokens
 from pdserve.services.router.dispatch.job_run import JobRun
@@ -94,15 +95,16 @@ class _Usage:
         return fmt.usage(self.prompt, self.completion, self.cached)
 
 
-async def stream_events(run: JobRun, form: CompletionFormat):
-    """SSE text; the run is closed on any exit, which aborts what is unfinished."""
+async def stream_events(run: JobRun, form: CompletionFormat, deadline: Optional[float] = None):
+    """SSE text; the run is closed on any exit, which aborts what is unfinished. `deadline`:
+    time.monotonic() past which the stream ends in an error event (see deadline.py)."""
     usage, offsets = _Usage(run), [0] * len(run.job.choices)
     breakdown = None
     try:
         for c in run.job.choices:
             for chunk in form.opening(c.index):
                 yield fmt.sse(chunk)
-        async for index, delta in run.deltas():
+        async for index, delta in iterate_within(run.deltas(), deadline):
             usage.add(delta)
             if not delta.text and not delta.token_ids and delta.finish_reason is None:
                 continue
@@ -125,12 +127,12 @@ async def stream_events(run: JobRun, form: CompletionFormat):
     yield fmt.DONE
 
 
-async def collect(run: JobRun, form: CompletionFormat) -> dict:
+async def collect(run: JobRun, form: CompletionFormat, deadline: Optional[float] = None) -> dict:
     n = len(run.job.choices)
     texts, lps, reasons = [""] * n, [None] * n, [None] * n
     usage = _Usage(run)
     try:
-        async for index, delta in run.deltas():
+        async for index, delta in iterate_within(run.deltas(), deadline):
             usage.add(delta)
             part = form.logprobs(delta, len(texts[index]))
             if part is not None:

@@ -1,19 +1,38 @@
-"""OpenAI sampling parameters to a validated SamplingParams (errors name the parameter)."""
+"""OpenAI sampling parameters to a validated SamplingParams (errors name the parameter), and
+the router's own bounds on them (the engine's gRPC edge checks again)."""
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Optional, Sequence
 
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.services.common.convert import MAX_TOKEN_COUNT
 from pdserve.services.router.api.errors import bad_request
+from pdserve.services.router.limits_config import LimitsConfig
+
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+           "frequency_penalty")
 
 
-def build_sampling_params(body, max_tokens: int, logprobs: Optional[int],
-                          max_stop: int) -> SamplingParams:
+def build_sampling_params(body, max_tokens: int, logprobs: Optional[int], max_stop: int,
+                          limits: LimitsConfig = LimitsConfig(),
+                          vocab_size: Optional[int] = None) -> SamplingParams:
     stop = body.stop
     stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
     if len(stop) > max_stop:
         raise bad_request(f"stop may list at most {max_stop} strings", param="stop")
+    for name in _FLOATS:  # NaN and inf fail here, before any range check can miss them
+        value = getattr(body, name)
+        if value is not None and not math.isfinite(value):
+            raise bad_request(f"{name} must be a finite number, got {value}", param=name)
+    for name, value in (("max_tokens", max_tokens), ("min_tokens", body.min_tokens)):
+        if value > MAX_TOKEN_COUNT:
+            raise bad_request(f"{name} must be at most {MAX_TOKEN_COUNT}, got {value}",
+                              param=name)
+    if body.seed is not None and not 0 <= body.seed < 2 ** 63:
+        raise bad_request(f"seed must be in [0, 2**63), got {body.seed}", param="seed")
+    check_text(body.user, limits.max_user_chars, "user")
     kw = dict(
         max_tokens=max_tokens,
         temperature=_or(body.temperature, 1.0),
@@ -27,17 +46,59 @@ def build_sampling_params(body, max_tokens: int, logprobs: Optional[int],
         stop=stop,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
+        include_stop_str_in_output=body.include_stop_str_in_output,
         logprobs=logprobs,
         min_tokens=body.min_tokens,
         cache_salt=body.cache_salt,
     )
-    if body.seed is not None and not 0 <= body.seed < 2 ** 63:
-        raise bad_request(f"seed must be in [0, 2**63), got {body.seed}", param="seed")
     try:
-        return SamplingParams(**kw)
-    except ValueError as exc:
+        params = SamplingParams(**kw)
+    except (ValueError, TypeError, OverflowError) as exc:
         # SamplingParams says "<field> must be ..."; the field is the OpenAI parameter.
         raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
+    check_params(params, limits, vocab_size)
+    return params
+
+
+def check_params(params: SamplingParams, limits: LimitsConfig,
+                 vocab_size: Optional[int]) -> None:
+    """The router's bounds on a SamplingParams (from HTTP or from the gRPC API)."""
+    for name in _FLOATS:
+        value = getattr(params, name)
+        if not math.isfinite(value):
+            raise bad_request(f"{name} must be a finite number, got {value}", param=name)
+    if params.max_tokens > MAX_TOKEN_COUNT:
+        raise bad_request(f"max_tokens must be at most {MAX_TOKEN_COUNT}, got "
+                          f"{params.max_tokens}", param="max_tokens")
+    longest = max((len(s) for s in params.stop), default=0)
+    if longest > limits.max_stop_chars:
+        raise bad_request(f"each stop string must be at most {limits.max_stop_chars} "
+                          f"characters, got {longest}", param="stop")
+    if len(params.stop_token_ids) > limits.max_stop_token_ids:
+        raise bad_request(f"stop_token_ids may list at most {limits.max_stop_token_ids} ids, "
+                          f"got {len(params.stop_token_ids)}", param="stop_token_ids")
+    check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+    if params.logprobs is not None and params.logprobs > limits.max_logprobs:
+        raise bad_request(f"logprobs must be at most {limits.max_logprobs}, got "
+                          f"{params.logprobs}", param="logprobs")
+    check_text(params.cache_salt, limits.max_salt_chars, "cache_salt")
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: Optional[int], param: str) -> None:
+    """Every id in [0, vocab_size) (just >= 0 while the vocabulary is unknown)."""
+    if not ids:
+        return
+    lo, hi = min(ids), max(ids)
+    top = vocab_size if vocab_size else MAX_TOKEN_COUNT + 1
+    if lo < 0 or hi >= top:
+        bad = lo if lo < 0 else hi
+        raise bad_request(f"{param}: token ids must be in [0, {top}), got {bad}", param=param)
+
+
+def check_text(value: Optional[str], max_chars: int, param: str) -> None:
+    if value is not None and len(value) > max_chars:
+        raise bad_request(f"{param} must be at most {max_chars} characters, got {len(value)}",
+                          param=param)
 
 
 def _or(value, default):

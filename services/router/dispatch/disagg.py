@@ -36,14 +36,13 @@ from pdserve.services.router.routing.candidate import RouteRequest
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.dispatch.decode_open import DecodeTarget, open_decode
 from pdserve.services.router.dispatch.engine_stream import Delta
-from pdserve.services.router.api.errors import APIError, from_backend
+from pdserve.services.router.api.errors import APIError, client_fault, from_backend
 from pdserve.services.router.dispatch.handoff_stream import HandOffStream
 from pdserve.services.router.routing.kv_lookup import StoreIndex
 from pdserve.services.router.dispatch.requests import EngineRequest, block_keys, decode_request
 from pdserve.services.router.api.router_tracing import outgoing_metadata, prefill_span
 
 log = logging.getLogger(__name__)
-_CLIENT_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
 
 
 class DisaggRouter:
@@ -133,7 +132,7 @@ class DisaggRouter:
             ok = True
             return resp
         except grpc.aio.AioRpcError as err:
-            if err.code() in _CLIENT_ERRORS:
+            if client_fault(err):
                 ok = True  # the instance is fine; the request is bad
                 raise from_backend(err) from None
             ok = False
