@@ -24,7 +24,8 @@ def add_bench_subcommands(sub) -> None:
     serve.add_argument("--peer-base-url", default="",
                        help="also run the same requests against this OpenAI-compatible "
                             "server and print the ratios")
-    serve.add_argument("--peer-model-name", default="")
+    serve.add_argument("--peer-model-name", default="",
+                       help="the peer's model field ('': first of its /v1/models)")
     serve.set_defaults(func=_serve)
 
     sweep = sub.add_parser("sweep", help="SLO attainment against request rate")
@@ -38,19 +39,22 @@ def add_bench_subcommands(sub) -> None:
     ca.add_load_args(cmp_)
     _sweep_args(cmp_)
     cmp_.add_argument("--model", default="smollm2", help="what `pdserve up --model` serves")
-    cmp_.add_argument("--cores", default=",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    cmp_.add_argument("--cores", default=",".join(map(str, sorted(os.sched_getaffinity(0)))),
+                      help="comma-separated CPU ids both stacks run on (this "
+                           "process's affinity)")
     cmp_.add_argument("--colocated-args", default=None,
-                      help="options for `pdserve up --mode colocated` (default: pin to "
+                      help="options for `pdserve up --mode colocated` (None: pin to "
                            "--cores, one thread per core)")
     cmp_.add_argument("--disagg-args", default=None,
-                      help="options for `pdserve up --mode disagg` (default: prefill and "
+                      help="options for `pdserve up --mode disagg` (None: prefill and "
                            "decode on separate halves of --cores)")
     cmp_.add_argument("--stack-args", default="",
                       help="more options for `pdserve up` in both modes, e.g. "
                            "'--max-model-len 1024'")
     cmp_.add_argument("--modes", default="colocated,disagg",
                       help="which stacks to run; the ratio needs both")
-    cmp_.add_argument("--startup-timeout", type=float, default=300.0)
+    cmp_.add_argument("--startup-timeout", type=float, default=300.0,
+                      help="seconds each stack may take to become healthy")
     cmp_.set_defaults(func=_compare)
 
 
