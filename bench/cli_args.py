@@ -58,7 +58,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-total-len", type=int, default=2048, help="sharegpt filter")
     g.add_argument("--sharegpt-fixed-output", action="store_true",
                    help="sharegpt: ask for --output-len instead of the reply's length")
-    g.add_argument("--tokenizer", default="smollm2", help="tiny, smollm2, a GGUF or HF dir")
+    g.add_argument("--tokenizer", default="",
+                   help="what prompts are drawn and counted with: tiny, smollm2, a GGUF or HF "
+                        "dir ('': the served model's, from /v1/models; compare: --model)")
     g.add_argument("--seed", type=int, default=0,
                    help="seeds the workload and the arrival times (same seed, same run)")
     a = p.add_argument_group("arrivals")
@@ -75,6 +77,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                    help="where the result JSON (and plots) are written")
     s.add_argument("--no-progress", action="store_true",
                    help="no progress bar on stderr")
+    s.add_argument("--max-failed-fraction", type=float, default=0.05,
+                   help="exit non-zero (3) when more than this share of requests failed; "
+                        "failures are reported first either way")
     s.add_argument("--no-per-request", action="store_true",
                    help="leave per-request records out of the result file")
 
