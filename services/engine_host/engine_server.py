@@ -75,8 +75,6 @@ def build_core(cfg: EngineServiceConfig):
 async def start_engine_server(cfg: EngineServiceConfig, core,
                               tracing: Optional[Tracing] = None) -> RunningEngineServer:
     """`tracing`: where the servicers' spans go; None -> the process's global tracer."""
-    from prometheus_client import start_http_server
-
     from pdserve.services.decode.servicer import DecodeServicer
     from pdserve.services.prefill.servicer import PrefillServicer
 
@@ -104,8 +102,7 @@ async def start_engine_server(cfg: EngineServiceConfig, core,
     metrics_http = None
     if cfg.metrics_port:
         try:
-            metrics_http, _ = start_http_server(cfg.metrics_port, addr=cfg.host,
-                                                registry=metrics.registry)
+            metrics_http = metrics.serve_http(cfg.host, cfg.metrics_port)
         except OSError:
             engine.stop()
             raise
