@@ -1,14 +1,35 @@
-"""The `pdserve` command line: one parser, one subcommand per job."""
+"""The `pdserve` command line: one parser, one subcommand per job.
+
+`--help` must stay fast (well under a second): the modules that add subcommands import nothing
+heavy (torch, matplotlib, transformers) at module level; their commands import what they need
+when they run. tests/unit/test_cli_help.py holds every subcommand to that and to a help text
+per option.
+"""
 
 from __future__ import annotations
 
 import argparse
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default (argparse's formatter skips options without
+    help text; every option here has one, a test says so)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose subparsers (add_subparsers uses the parser's own class) all
+    format help with HelpFormatter: the one place that choice is made."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.services.cli_serve import add_subcommands as add_serving
 
-    parser = argparse.ArgumentParser(prog="pdserve")
+    parser = Parser(prog="pdserve",
+                    description="LLM serving with prefill and decode split into services.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serving(sub)  # up, serve
     from pdserve.common.engine.cli import add_generate_subcommand

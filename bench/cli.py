@@ -24,7 +24,8 @@ def add_bench_subcommands(sub) -> None:
     serve.add_argument("--peer-base-url", default="",
                        help="also run the same requests against this OpenAI-compatible "
                             "server and print the ratios")
-    serve.add_argument("--peer-model-name", default="")
+    serve.add_argument("--peer-model-name", default="",
+                       help="the peer's model field ('': first of its /v1/models)")
     serve.set_defaults(func=_serve)
 
     sweep = sub.add_parser("sweep", help="SLO attainment against request rate")
@@ -38,19 +39,22 @@ def add_bench_subcommands(sub) -> None:
     ca.add_load_args(cmp_)
     _sweep_args(cmp_)
     cmp_.add_argument("--model", default="smollm2", help="what `pdserve up --model` serves")
-    cmp_.add_argument("--cores", default=",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    cmp_.add_argument("--cores", default=",".join(map(str, sorted(os.sched_getaffinity(0)))),
+                      help="comma-separated CPU ids both stacks run on (this "
+                           "process's affinity)")
     cmp_.add_argument("--colocated-args", default=None,
-                      help="options for `pdserve up --mode colocated` (default: pin to "
+                      help="options for `pdserve up --mode colocated` (None: pin to "
                            "--cores, one thread per core)")
     cmp_.add_argument("--disagg-args", default=None,
-                      help="options for `pdserve up --mode disagg` (default: prefill and "
+                      help="options for `pdserve up --mode disagg` (None: prefill and "
                            "decode on separate halves of --cores)")
     cmp_.add_argument("--stack-args", default="",
                       help="more options for `pdserve up` in both modes, e.g. "
                            "'--max-model-len 1024'")
     cmp_.add_argument("--modes", default="colocated,disagg",
                       help="which stacks to run; the ratio needs both")
-    cmp_.add_argument("--startup-timeout", type=float, default=300.0)
+    cmp_.add_argument("--startup-timeout", type=float, default=300.0,
+                      help="seconds each stack may take to become healthy")
     cmp_.set_defaults(func=_compare)
 
 
@@ -69,17 +73,37 @@ def _emit(line: dict) -> int:
     return 0
 
 
-def _serve(args) -> int:
-    from pdserve.bench.serve import run_serve
+def _finish(line: dict, failures, max_fraction: float) -> int:
+    """Emits the JSON line with the failure fields; non-zero past the threshold."""
+    from pdserve.bench.failures import banner, verdict
 
-    cfg = ca.serve_config_from(args, ca.target_from(args))
+    fields, code = verdict(failures, max_fraction)
+    line.update(fields)
+    if code:
+        print(banner(failures) or fields["error"], file=sys.stderr, flush=True)
+        print(f"pdserve bench: {fields['error']}", file=sys.stderr, flush=True)
+    _emit(line)
+    return code
+
+
+def _serve(args) -> int:
+    from pdserve.bench.failures import FailureTally
+    from pdserve.bench.serve import run_serve
+    from pdserve.bench.vocab import resolve_tokenizer
+
+    target = ca.target_from(args)
+    args.tokenizer = resolve_tokenizer(args.tokenizer, target)
+    cfg = ca.serve_config_from(args, target)
     if args.peer_base_url:
         from dataclasses import replace
 
         peer = replace(cfg.target, api="http", base_url=args.peer_base_url,
                        model_name=args.peer_model_name, label="peer")
         cfg = replace(cfg, peer=peer)
-    return _emit(run_serve(cfg))
+    line = run_serve(cfg)
+    runs = [line] + ([line["peer"]] if "peer" in line else [])
+    failures = FailureTally(sum(r["requests"] for r in runs), sum(r["failed"] for r in runs))
+    return _finish(line, failures, args.max_failed_fraction)
 
 
 def _sweep_config(args, target):
@@ -91,8 +115,12 @@ def _sweep_config(args, target):
 
 def _sweep(args) -> int:
     from pdserve.bench.sweep import run_sweep
+    from pdserve.bench.vocab import resolve_tokenizer
 
-    return _emit(run_sweep(_sweep_config(args, ca.target_from(args))))
+    target = ca.target_from(args)
+    args.tokenizer = resolve_tokenizer(args.tokenizer, target)
+    line = run_sweep(_sweep_config(args, target))
+    return _finish(line, line.pop("failures"), args.max_failed_fraction)
 
 
 def _compare(args) -> int:
@@ -100,6 +128,7 @@ def _compare(args) -> int:
     from pdserve.bench.stack import StackUnavailable
 
     split = (lambda s: None if s is None else tuple(shlex.split(s)))
+    args.tokenizer = args.tokenizer or args.model  # the stacks serve --model
     cfg = CompareConfig(_sweep_config(args, ca.target_from(args, "http://127.0.0.1:1",
                                                            "127.0.0.1:1")),
                         model=args.model, cores=ca.parse_cores(args.cores),
@@ -109,11 +138,12 @@ def _compare(args) -> int:
                         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
                         startup_timeout_s=args.startup_timeout)
     try:
-        return _emit(run_compare(cfg))
+        line = run_compare(cfg)
     except StackUnavailable as exc:
         print(f"pdserve bench compare: {exc}", file=sys.stderr, flush=True)
         _emit({"bench": "compare", "error": str(exc).splitlines()[0]})
         return 2
+    return _finish(line, line.pop("failures"), args.max_failed_fraction)
 
 
 def main(argv=None) -> int:

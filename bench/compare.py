@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+from pdserve.bench.failures import FailureTally
 from pdserve.bench.plots import plot_attainment
 from pdserve.bench.serve import ratio
 from pdserve.bench.stack import StackSpec, check_up_accepts, running_stack
@@ -68,13 +69,19 @@ def run_compare(cfg: CompareConfig) -> dict:
             results[mode] = run_sweep(sweep, stem=f"compare_{mode}", label=mode)
     png = plot_attainment({m: r["curves"] for m, r in results.items()},
                           out_dir / "compare_attainment.png", cfg.sweep.target,
-                          "SLO attainment: colocated vs disaggregated")
+                          "SLO attainment per tier: colocated vs disaggregated")
     ratios = None
     if len(results) == 2:
         co, dis = results["colocated"]["max_rate"], results["disagg"]["max_rate"]
         ratios = {t: ratio(dis.get(t), co.get(t)) for t in sorted(set(co) | set(dis))}
     _print_ratios(results, ratios)
-    return {"bench": "compare", "rates": list(cfg.sweep.rates),
+    failures = {m: r.pop("failures") for m, r in results.items()}
+    total = FailureTally(sum(f.requests for f in failures.values()),
+                         sum(f.failed for f in failures.values()),
+                         tuple(e for f in failures.values() for e in f.errors))
+    return {"bench": "compare", **total.to_json(),
+            "failed_by_mode": {m: f.failed for m, f in failures.items()},
+            "failures": total, "rates": list(cfg.sweep.rates),
             "max_rate": {m: r["max_rate"] for m, r in results.items()},
             "goodput_ratio_disagg_vs_colocated": ratios,
             "results": {m: r["result"] for m, r in results.items()},

@@ -20,8 +20,6 @@ import json
 import statistics
 import time
 
-import torch
-
 from pdserve.common.config import ModelConfig
 
 
@@ -62,6 +60,8 @@ def measure_rate(cfg: ModelConfig, m: int, with_head: bool, gemm: str = "torch",
     layer's own weights (so they stream from memory as in the real forward; one layer's would
     sit in the L3 cache and flatter the rate), with torch's `linear` (MKL) or oneDNN's
     prepacked GEMM (what the engine uses; cpu_gemm.py)."""
+    import torch  # heavy: imported when the bench runs, not when `--help` builds the parser
+
     from pdserve.common.models.cpu_gemm import pack_weight, packed_linear
     layer, head = matmul_shapes(cfg)
     shapes = layer * cfg.num_layers + ([head] if with_head else [])
@@ -91,6 +91,8 @@ def best_rate(cfg: ModelConfig, m: int, with_head: bool) -> dict[str, float]:
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(10, vocab - 10, (length,), generator=g).tolist() for _ in range(n)]
 
@@ -125,6 +127,7 @@ def run_offline(args) -> int:
     from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.common.engine.llm import LLM
     from pdserve.common.models.registry import load_model
+    import torch
 
     torch.set_num_threads(args.num_threads)
     n_prompts = 4 if args.batch1 and args.num_prompts == 64 else args.num_prompts

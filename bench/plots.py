@@ -46,7 +46,7 @@ def plot_latency_cdfs(records: Sequence[RequestRecord], path: Path,
         ax.set_ylabel("fraction of samples")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-        if tiers:
+        if ax.get_legend_handles_labels()[0]:  # no line when every request failed
             ax.legend(loc="lower right")
     fig.suptitle(title or "latency CDFs by tier")
     fig.tight_layout()
@@ -57,25 +57,33 @@ def plot_latency_cdfs(records: Sequence[RequestRecord], path: Path,
 
 def plot_attainment(curves: Mapping[str, Mapping[str, Sequence[tuple[float, float]]]],
                     path: Path, target: float = 0.9, title: str = "") -> Path:
-    """One panel per stack (side by side): {stack: {tier: [(rate, attainment), ...]}}."""
+    """One panel per tier (side by side, "overall" first), one line per stack on it, so the
+    stacks compare on the same axis: {stack: {tier: [(rate, attainment), ...]}}."""
     plt = _pyplot()
-    n = max(len(curves), 1)
+    layout = attainment_axes(curves)
+    n = max(len(layout), 1)
     fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4), squeeze=False, sharey=True)
-    for ax, (stack, tiers) in zip(axes[0], curves.items()):
-        for tier, pts in sorted(tiers.items()):
-            pts = sorted(pts)
-            style = dict(color="black", ls="--") if tier == "overall" else {}
-            ax.plot([p[0] for p in pts], [p[1] * 100 for p in pts], marker="o", label=tier,
-                    **style)
+    for ax, (tier, stacks) in zip(axes[0], layout.items()):
+        for stack in stacks:
+            pts = sorted(curves[stack][tier])
+            ax.plot([p[0] for p in pts], [p[1] * 100 for p in pts], marker="o", label=stack)
         ax.axhline(target * 100, ls="--", lw=0.8, color="gray")
-        ax.set_title(stack)
+        ax.set_title(tier)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("SLO attainment (%)")
         ax.set_ylim(0, 102)
         ax.grid(alpha=0.3)
         ax.legend(loc="lower left")
-    fig.suptitle(title or "SLO attainment against rate")
+    fig.suptitle(title or "SLO attainment against rate, per tier")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def attainment_axes(curves: Mapping[str, Mapping[str, Sequence[tuple[float, float]]]]
+                    ) -> dict[str, list[str]]:
+    """What plot_attainment draws: {tier (one axis each): [stacks with a line on it]}."""
+    tiers = sorted({t for per in curves.values() for t in per},
+                   key=lambda t: (t != "overall", t))
+    return {t: [s for s, per in curves.items() if per.get(t)] for t in tiers}

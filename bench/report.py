@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from pdserve.bench.failures import banner, tally
+
 _COLS = ("tier", "reqs", "ok", "ttft p50", "ttft p99", "itl p50", "itl p99", "tpot p50",
          "tpot p99", "e2e p50", "attain", "goodput")
 
@@ -23,7 +25,8 @@ def format_table(summary: dict, title: str = "") -> str:
     rows = [list(_COLS)] + [_row(t, b) for t, b in summary["tiers"].items()]
     rows.append(_row("all", summary))
     widths = [max(len(r[c]) for r in rows) for c in range(len(_COLS))]
-    lines = [title] if title else []
+    loud = banner(tally([summary]))  # failures first: before the title and the figures
+    lines = ([loud] if loud else []) + ([title] if title else [])
     lines.append(f"duration {summary['duration_s']:.2f}s  "
                  f"requests {summary['request_throughput']:.2f}/s  "
                  f"output {summary['output_throughput']:.1f} tok/s  "

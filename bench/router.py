@@ -25,11 +25,12 @@ TARGET_ADDED_P99_MS = 2.0
 
 def add_router_bench_subcommand(sub) -> None:
     p = sub.add_parser("router", help="router decisions/s and added latency vs direct calls")
-    p.add_argument("--instances", type=int, default=4)
+    p.add_argument("--instances", type=int, default=4, help="fake decode instances")
     p.add_argument("--requests", type=int, default=1000, help="timed calls per path")
-    p.add_argument("--decisions", type=int, default=5000)
-    p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--policy", default="kv_aware")
+    p.add_argument("--decisions", type=int, default=5000,
+                   help="routing decisions timed for the policy's per-decision cost")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="tokens per prompt")
+    p.add_argument("--policy", default="kv_aware", help="the routing policy measured")
     p.set_defaults(func=_run)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from pdserve.bench.arrivals import ArrivalConfig
+from pdserve.bench.failures import banner, tally
 from pdserve.bench.goodput import OVERALL
 from pdserve.bench.plots import plot_attainment
 from pdserve.bench.serve import ServeConfig, build, headline, measure, write_outputs
@@ -75,7 +76,7 @@ def run_sweep(cfg: SweepConfig, stem: str = "sweep", label: str = "") -> dict:
     if cfg.warmup:
         warm = replace(cfg.serve, arrivals=ArrivalConfig(kind="concurrency", concurrency=2))
         measure(warm.target, _requests(cfg, -1)[:cfg.warmup], warm)
-    points = []
+    points, tallies = [], []
     for i, rate in enumerate(cfg.rates):
         run_cfg = replace(cfg.serve, arrivals=replace(cfg.serve.arrivals, rate=rate))
         att: dict[str, list[float]] = {}
@@ -85,6 +86,10 @@ def run_sweep(cfg: SweepConfig, stem: str = "sweep", label: str = "") -> dict:
             summary, records = measure(run_cfg.target, requests, run_cfg)
             write_outputs(summary, records, run_cfg, out_dir, f"{stem}_rate{rate:g}_r{rep}")
             runs.append(headline(summary))
+            tallies.append({k: summary[k] for k in ("requests", "failed", "errors")})
+            loud = banner(tally(tallies[-1:]))
+            if loud:  # before the attainment line, which would read as a slow server
+                print(loud, flush=True)
             att.setdefault(OVERALL, []).append(summary["attainment"])
             for tier, block in summary["tiers"].items():
                 att.setdefault(tier, []).append(block["attainment"])
@@ -99,5 +104,7 @@ def run_sweep(cfg: SweepConfig, stem: str = "sweep", label: str = "") -> dict:
             "repeats": cfg.repeats, "curves": curves, "max_rate": max_rate, "points": points}
     path = out_dir / f"{stem}.json"
     path.write_text(json.dumps(body, indent=1))
-    return {"bench": "sweep", "target": name, "rates": list(cfg.rates), "curves": curves,
-            "max_rate": max_rate, "result": str(path), "plots": [str(png)]}
+    failures = tally(tallies)
+    return {"bench": "sweep", "target": name, **failures.to_json(), "rates": list(cfg.rates),
+            "curves": curves, "max_rate": max_rate, "result": str(path), "plots": [str(png)],
+            "failures": failures}

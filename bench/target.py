@@ -11,7 +11,7 @@ APIS = ("http", "grpc")
 class TargetConfig:
     api: str = "http"
     base_url: str = "http://127.0.0.1:8000"  # http: without /v1
-    grpc_addr: str = "127.0.0.1:50051"
+    grpc_addr: str = "127.0.0.1:50050"  # the router's gRPC API
     model_name: str = ""  # http: '' -> the first model /v1/models lists
     temperature: float = 0.0
     ignore_eos: bool = True  # outputs as long as asked, so runs compare like with like

@@ -160,6 +160,9 @@ def engine_argv(args, cpus: Optional[str] = None, threads: Optional[int] = None)
         argv += ["--num-blocks", str(args.num_blocks)]
     if args.kv_cache_bytes is not None:
         argv += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    from pdserve.services.ports import free_port  # every engine serves its vllm: series
+
+    argv += ["--metrics-port", str(free_port(args.host))]
     return argv
 
 

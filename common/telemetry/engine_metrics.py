@@ -35,11 +35,13 @@ the services once per request or per streamed message.
 
 from __future__ import annotations
 
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, CONTENT_TYPE_PLAIN_0_0_4
 
 # vLLM's buckets, so histogram_quantile over a mixed fleet lines up
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -98,6 +100,36 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def serve_http(self, host: str, port: int) -> ThreadingHTTPServer:
+        """GET /metrics on host:port from a daemon thread; `shutdown()` + `server_close()` stop
+        it. Always the classic text format: prometheus_client's own server answers a scraper
+        that accepts OpenMetrics (Prometheus does by default) with every ':' in a name turned
+        into '_', so `vllm:time_to_first_token_seconds` would arrive as
+        `vllm_time_to_first_token_seconds` and vLLM dashboards would find nothing."""
+        server = ThreadingHTTPServer((host, port), _handler(self.render, CONTENT_TYPE_PLAIN_0_0_4))
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+        return server
+
+
+def _handler(render: Callable[[], bytes], content_type: str):
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                self.send_error(404)
+                return
+            body = render()
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format, *args):  # one line per scrape is noise
+            pass
+
+    return Handler
 
 
 class _EngineCollector:

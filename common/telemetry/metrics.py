@@ -13,7 +13,22 @@ _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 
 _E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
+# The label values the router's labelled counters take. Each series is created at 0 up front
+# (Prometheus' advice for known label sets), so a dashboard's rate() over, say, fallbacks shows
+# 0 before the first one rather than no data.
+FALLBACK_RUNGS = ("prefill_retry", "prefill_to_unified", "decode_retry", "error_after_tokens")
+ADMISSION_REJECTIONS = ("queue_full", "tokens_full", "shed", "slo", "rate_limit",
+                        "queue_timeout", "unauthorized")
+DISAGG_DECISIONS = ("prefill", "stored", "short", "prefill_busy", "no_prefill")
+PREFILL_SKIPS = ("stored", "short")
+
+
 class RouterMetrics:
+    """The router's own series (`pdserve_*`): what clients see (TTFT, ITL and end-to-end at the
+    router, requests by endpoint and status), routing, the fallback ladder, admission and the
+    instances' state as the router last polled it. The engines' `vllm:*` series are on each
+    engine's own /metrics (`--metrics-port`), not here."""
+
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self):
@@ -47,6 +62,12 @@ class RouterMetrics:
 
         self._disaggregation(r)
         self._routing(r)
+        for counter, values in ((self.fallbacks, FALLBACK_RUNGS),
+                                (self.admission_rejected, ADMISSION_REJECTIONS),
+                                (self.disagg_decisions, DISAGG_DECISIONS),
+                                (self.prefill_skipped, PREFILL_SKIPS)):
+            for value in values:
+                counter.labels(value)
 
     def _disaggregation(self, r: CollectorRegistry) -> None:
         """Routing decisions and fallbacks of disaggregated mode, and the instances' KV

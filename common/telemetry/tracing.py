@@ -33,8 +33,11 @@ that global, not this module).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import json
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -48,6 +51,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 TRACE_FILE_ENV = "PDSERVE_TRACE_FILE"
 OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 _TRACER_NAME = "pdserve"
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -160,10 +164,14 @@ def server_span(name: str, metadata_or_headers=None, *, tracer: Optional[trace.T
                 **attrs) -> Iterator[trace.Span]:
     """A SERVER span around handling one incoming call, child of the caller's span when the
     metadata/headers carry a trace context; current for the block, so calls made inside it
-    (inject_metadata) continue the trace. An exception escaping the block marks it ERROR."""
+    (inject_metadata) continue the trace. An exception escaping the block marks it ERROR; the
+    caller leaving (the call cancelled, a streaming servicer closed) is not an error: the span
+    gets `cancelled=true` and one INFO line says so. Safe inside async generators (see
+    `_span_scope`)."""
     parent = extract_context(metadata_or_headers)
-    with _tracer(tracer).start_as_current_span(name, context=parent, kind=SpanKind.SERVER,
-                                               attributes=_clean(attrs)) as span:
+    span = _tracer(tracer).start_span(name, context=parent, kind=SpanKind.SERVER,
+                                      attributes=_clean(attrs))
+    with _span_scope(span, parent, name):
         yield span
 
 
@@ -172,9 +180,53 @@ def client_span(name: str, *, tracer: Optional[trace.Tracer] = None,
                 **attrs) -> Iterator[trace.Span]:
     """A CLIENT span around one outgoing call (child of the current span); call
     `inject_metadata` inside the block so the callee's server span is its child."""
-    with _tracer(tracer).start_as_current_span(name, kind=SpanKind.CLIENT,
-                                               attributes=_clean(attrs)) as span:
+    span = _tracer(tracer).start_span(name, kind=SpanKind.CLIENT, attributes=_clean(attrs))
+    with _span_scope(span, None, name):
         yield span
+
+
+# The caller going away: a streaming servicer's generator closed (GeneratorExit) or the call's
+# task cancelled. Neither is a failure of ours.
+_LEFT = (GeneratorExit, asyncio.CancelledError)
+
+
+@contextlib.contextmanager
+def _span_scope(span: trace.Span, parent: Optional[otel_context.Context],
+                name: str) -> Iterator[None]:
+    """Makes `span` current for the block and ends it after.
+
+    OpenTelemetry's own `start_as_current_span` detaches with a contextvars token, which only
+    the Context that attached it may reset. A streaming gRPC servicer is an async generator:
+    when the client disconnects, grpc closes it from another task, so the exit runs in a
+    different Context and OpenTelemetry logs `ERROR Failed to detach context` with a
+    traceback. Here the reset is tried directly and, from a foreign Context, skipped: that
+    Context never saw the attach, and the one that did is finished with the call.
+    """
+    token = otel_context.attach(trace.set_span_in_context(span, parent))
+    try:
+        yield
+    except _LEFT:
+        span.set_attribute("cancelled", True)
+        _log.info("%s: the caller left before the call finished", name)
+        raise
+    except BaseException as exc:
+        if span.is_recording():
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        span.end()
+        _detach(token)
+
+
+def _detach(token) -> None:
+    if not isinstance(token, contextvars.Token):  # another runtime context: its own detach
+        otel_context.detach(token)
+        return
+    try:
+        token.var.reset(token)
+    except ValueError:  # created in a different Context: nothing of ours is attached here
+        pass
 
 
 def record_span(name: str, start_ns: int, end_ns: int, *, parent: trace.Span,

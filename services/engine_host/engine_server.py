@@ -18,8 +18,11 @@ from typing import Optional
 
 import grpc
 
+from pdserve.common.rpc import engine_pb2
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
 from pdserve.services.common.grpc_limits import grpc_limits
+from pdserve.services.common.grpc_standard import (StandardHealth, add_standard_services,
+                                                    service_names)
 from pdserve.services.common.signals import wait_for_signal
 from pdserve.common.telemetry.engine_metrics import EngineMetrics
 from pdserve.common.telemetry.tracing import Tracing, setup_tracing
@@ -39,8 +42,11 @@ class RunningEngineServer:
     port: int
     metrics: EngineMetrics
     metrics_http: Optional[object] = None  # the /metrics HTTP server, when one listens
+    health: Optional[StandardHealth] = None  # grpc.health.v1; stop_serving() when draining
 
     async def stop(self, grace_s: float) -> None:
+        if self.health is not None:
+            self.health.stop_serving()
         await self.server.stop(grace_s)
         loop = asyncio.get_running_loop()
         if self.metrics_http is not None:
@@ -69,8 +75,6 @@ def build_core(cfg: EngineServiceConfig):
 async def start_engine_server(cfg: EngineServiceConfig, core,
                               tracing: Optional[Tracing] = None) -> RunningEngineServer:
     """`tracing`: where the servicers' spans go; None -> the process's global tracer."""
-    from prometheus_client import start_http_server
-
     from pdserve.services.decode.servicer import DecodeServicer
     from pdserve.services.prefill.servicer import PrefillServicer
 
@@ -89,6 +93,7 @@ async def start_engine_server(cfg: EngineServiceConfig, core,
         pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(engine, info, tel), server)
     if cfg.role in ("unified", "decode"):
         pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine, info, tel), server)
+    health = add_standard_services(server, _engine_services(cfg.role), lambda: engine.healthy)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     if port == 0:
         engine.stop()
@@ -96,13 +101,18 @@ async def start_engine_server(cfg: EngineServiceConfig, core,
     metrics_http = None
     if cfg.metrics_port:
         try:
-            metrics_http, _ = start_http_server(cfg.metrics_port, addr=cfg.host,
-                                                registry=metrics.registry)
+            metrics_http = metrics.serve_http(cfg.host, cfg.metrics_port)
         except OSError:
             engine.stop()
             raise
     await server.start()
-    return RunningEngineServer(server, engine, port, metrics, metrics_http)
+    return RunningEngineServer(server, engine, port, metrics, metrics_http, health)
+
+
+def _engine_services(role: str) -> tuple[str, ...]:
+    names = {"unified": ("PrefillService", "DecodeService"), "prefill": ("PrefillService",),
+             "decode": ("DecodeService",)}[role]
+    return service_names(*((engine_pb2.DESCRIPTOR, n) for n in names))
 
 
 async def run_engine_server(cfg: EngineServiceConfig) -> None:

@@ -10,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import grpc
 import redis.asyncio as aioredis
 
 from pdserve.common.rpc import kvstore_pb2 as pb
 from pdserve.common.rpc import kvstore_pb2_grpc as pb_grpc
+from pdserve.services.common.grpc_standard import (StandardHealth, add_standard_services,
+                                                    service_names)
 from pdserve.services.kvstore import convert
 from pdserve.services.kvstore.config import MasterConfig
 from pdserve.services.kvstore.master import MasterCore
@@ -89,8 +92,11 @@ class RunningMaster:
     port: int
     redis: aioredis.Redis
     sweeper: asyncio.Task
+    health: Optional[StandardHealth] = None  # grpc.health.v1
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self.health is not None:
+            self.health.stop_serving()
         self.sweeper.cancel()
         await asyncio.gather(self.sweeper, return_exceptions=True)
         await self.server.stop(grace_s)
@@ -112,6 +118,8 @@ async def start_master(cfg: MasterConfig) -> RunningMaster:
     await core.start()
     server = grpc.aio.server()
     pb_grpc.add_KVStoreMasterServicer_to_server(MasterServicer(core, cfg), server)
+    health = add_standard_services(server, service_names((pb.DESCRIPTOR, "KVStoreMaster")),
+                                   lambda: True)  # up while the process is; stop() ends it
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     if port == 0:
         await redis.aclose()
@@ -119,4 +127,4 @@ async def start_master(cfg: MasterConfig) -> RunningMaster:
     await server.start()
     sweeper = asyncio.get_running_loop().create_task(_sweep_forever(core, cfg.sweep_interval_s))
     log.info("kvstore master on %s:%d (redis %s)", cfg.host, port, cfg.redis_url)
-    return RunningMaster(server, core, port, redis, sweeper)
+    return RunningMaster(server, core, port, redis, sweeper, health)

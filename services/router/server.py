@@ -21,9 +21,12 @@ from typing import Optional
 import grpc
 import uvicorn
 
+from pdserve.common.rpc import router_pb2 as pb
 from pdserve.common.rpc import router_pb2_grpc as pb_grpc
 from pdserve.common.telemetry.metrics import RouterMetrics
 from pdserve.services.common.grpc_limits import grpc_limits
+from pdserve.services.common.grpc_standard import (StandardHealth, add_standard_services,
+                                                    service_names)
 from pdserve.services.common.signals import wait_for_signal
 from pdserve.services.router.routing.backends import BackendPool
 from pdserve.services.registry.config import RegistryConfig
@@ -59,8 +62,11 @@ class RunningRouter:
     http_port: int
     grpc_port: Optional[int]
     watchers: tuple = ()
+    health: Optional[StandardHealth] = None  # grpc.health.v1 on the gRPC port
 
     async def stop(self) -> None:
+        if self.health is not None:
+            self.health.stop_serving()
         self.http.should_exit = True
         stops = [self.http_task]
         if self.grpc_server is not None:
@@ -83,12 +89,14 @@ async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
     if disagg is not None:
         await disagg.prefill.start()
     watchers = await _watchers(cfg, pool, disagg.prefill if disagg is not None else None)
-    grpc_server, grpc_port = None, None
+    grpc_server, grpc_port, health = None, None, None
     if cfg.grpc_port >= 0:
         grpc_server = grpc.aio.server(
             options=grpc_limits(cfg.limits.grpc_max_message_bytes),
             maximum_concurrent_rpcs=cfg.limits.grpc_max_concurrent_rpcs)
         pb_grpc.add_RouterServicer_to_server(RouterServicer(state), grpc_server)
+        health = add_standard_services(grpc_server, service_names((pb.DESCRIPTOR, "Router")),
+                                       lambda: bool(state.pool.healthy))
         grpc_port = grpc_server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
         if grpc_port == 0:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.grpc_port}")
@@ -110,7 +118,7 @@ async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
             raise OSError(f"HTTP server on {cfg.host}:{cfg.port} did not start")
         await asyncio.sleep(0.02)
     http_port = http.servers[0].sockets[0].getsockname()[1]
-    return RunningRouter(state, http, task, grpc_server, http_port, grpc_port, watchers)
+    return RunningRouter(state, http, task, grpc_server, http_port, grpc_port, watchers, health)
 
 
 def _pool(cfg: RouterConfig, metrics: RouterMetrics, addresses, kind: str) -> BackendPool:

@@ -18,7 +18,6 @@ from pdserve.services.engine_host.engine_service_config import EngineServiceConf
 from pdserve.services.kvstore.config import MasterConfig, NodeConfig
 from pdserve.services.kvstore.master_service import start_master
 from pdserve.services.kvstore.node import start_node
-from pdserve.services.kvstore.redis_proc import RedisProcess, RedisUnavailable
 from pdserve.tests.integration.services_helpers import offline_engine
 
 PROMPT = list(range(3, 53))  # 50 tokens: 3 full blocks of 16 and a tail of 2
@@ -69,7 +68,7 @@ async def decode_tokens(ch, **req):
     return [t for m in msgs for t in m.token_ids]
 
 
-def test_prefill_saves_decode_loads_same_tokens(reference):
+def test_prefill_saves_decode_loads_same_tokens(reference, redis_url):
     torch.set_num_threads(1)
 
     async def main(redis_url):
@@ -87,12 +86,8 @@ def test_prefill_saves_decode_loads_same_tokens(reference):
             saved = await pb_grpc.PrefillServiceStub(pre).GetLoad(pb.LoadRequest())
             return health, first, rest, hit, loads, saved
 
-    try:
-        with RedisProcess() as redis:
-            health, first, rest, hit, loads, saved = asyncio.run(
-                asyncio.wait_for(main(redis.url), 120))
-    except RedisUnavailable as exc:
-        pytest.skip(str(exc))
+    health, first, rest, hit, loads, saved = asyncio.run(
+        asyncio.wait_for(main(redis_url), 120))
     seed = chain_seed(health.model_fingerprint, health.block_size)
     assert list(first.block_keys) == hash_blocks(seed, PROMPT, 16)  # what a router computes
     assert [first.first_token_id] + rest == reference

@@ -1,4 +1,5 @@
-"""KV store master semantics against a real redis-server (started here on a free port)."""
+"""KV store master semantics against a real Redis (tests/conftest.py's `redis_url`: a
+testcontainers container where Docker answers, a local redis-server otherwise)."""
 
 import asyncio
 import uuid
@@ -10,19 +11,8 @@ from pdserve.services.kvstore.config import MasterConfig
 from pdserve.services.kvstore.master import MasterCore
 from pdserve.services.kvstore.metadata import RedisMetaStore
 from pdserve.services.kvstore.records import NodeInfo, PutStatus
-from pdserve.services.kvstore.redis_proc import RedisProcess
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    proc = RedisProcess()
-    proc.start()
-    try:
-        yield proc.url
-    finally:
-        proc.stop()
 
 
 class Clock:

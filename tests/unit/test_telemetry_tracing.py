@@ -177,3 +177,31 @@ def test_otlp_export_reaches_a_collector():
     assert [s.name for _, s in spans] == ["exported"]
     service = {a.key: a.value.string_value for a in spans[0][0].resource.attributes}
     assert service["service.name"] == "otlp-svc"
+
+
+def test_a_streaming_span_closed_from_another_context_logs_no_error(traced, caplog):
+    """A streaming servicer is an async generator; when its client leaves, it is closed from
+    another task (another contextvars Context). The span still ends, marked cancelled, with an
+    INFO line and no `Failed to detach context` ERROR; the closing task's context is untouched."""
+    import logging
+
+    tracing, exporter = traced
+    caplog.set_level(logging.INFO)
+
+    async def servicer():
+        with server_span("Decode", (), tracer=tracing.tracer, request_id="r"):
+            while True:
+                yield 1
+
+    async def main():
+        gen = servicer()
+        await gen.__anext__()  # the span is open and current inside the generator's task
+        before = trace.get_current_span()
+        await asyncio.create_task(gen.aclose())  # closed from another task's Context
+        assert trace.get_current_span() is before
+
+    asyncio.run(main())
+    span = _by_name(exporter)["Decode"]
+    assert span.end_time is not None and span.attributes["cancelled"] is True
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("the caller left" in r.getMessage() for r in caplog.records)

@@ -70,7 +70,8 @@ def build_app(state: RouterState) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         card = {"id": state.config.model_name, "object": "model", "created": 0,
-                "owned_by": "pdserve", "max_model_len": state.pool.max_model_len}
+                "owned_by": "pdserve", "max_model_len": state.pool.max_model_len,
+                "vocab_size": state.tokenizer.vocab_size}  # token ids must be below it
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
