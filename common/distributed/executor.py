@@ -124,7 +124,7 @@ class WorkerGroup:
         conn = Connection(mine.detach())
         self.procs.append(p)
         self.conns.append(conn)
-        conn.send(spec)
+        conn.send_bytes(pickle.dumps(spec))  # plain pickle: tensors by value, no fd sharing
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)

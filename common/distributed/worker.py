@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     conn = Connection(int(argv[0]))
     try:
-        spec = conn.recv()
+        spec = pickle.loads(conn.recv_bytes())
     except EOFError:
         return 0
     worker_main(spec, conn, parent)
