@@ -1,6 +1,6 @@
 """Tensor parallel on the CPU: greedy tokens with T ranks equal T=1 and transformers (with and
-without GQA, a vocabulary the ranks split unevenly, chunked prefill, prefix hits and
-preemption in the run); head counts that do not split are refused before any process starts;
+without GQA, KV heads and a vocabulary the ranks split unevenly, chunked prefill, prefix hits
+and preemption in the run); more ranks than KV heads are refused before any process starts;
 a worker killed mid-run ends the engine with an error and leaves no process behind."""
 
 import os
@@ -25,13 +25,17 @@ transformers = pytest.importorskip("transformers")
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # the long prompt is chunked (16-token budget); the repeated one hits the prefix cache
 PROMPTS = [[3, 17, 42, 99, 5], list(range(30, 70)), list(range(30, 62)) + [7, 8]]
-# heads, kv heads, vocabulary (322 does not split evenly over 4 ranks: the last shard pads)
-MODELS = {"gqa": (8, 4, 322, False), "mha-tied": (4, 4, 320, True)}
+# hidden, heads, kv heads, vocabulary (322 does not split evenly over 4 ranks: the last shard
+# pads), tied embeddings, (tensor-parallel size, all-reduce) runs
+MODELS = {"gqa": (64, 8, 4, 322, False, ((2, "gloo"), (4, "shm"))),
+          "mha-tied": (64, 4, 4, 320, True, ((2, "shm"), (4, "shm"))),
+          # 3 KV heads over 2 ranks: rank 0 holds 2 (and 4 query heads), rank 1 one (and 2)
+          "gqa-uneven": (48, 6, 3, 320, False, ((2, "shm"), (3, "gloo")))}
 
 
 def hf_model(name, tmp_path):
-    heads, kv_heads, vocab, tied = MODELS[name]
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+    hidden, heads, kv_heads, vocab, tied, _ = MODELS[name]
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=heads,
                                    num_key_value_heads=kv_heads, max_position_embeddings=256,
                                    tie_word_embeddings=tied)
@@ -69,7 +73,7 @@ def test_greedy_tp_equals_tp1_and_transformers(name, tmp_path):
                        pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
     tp1, _ = generate(loaded, 1)
     assert tp1 == ref
-    for tp, all_reduce in ((2, "gloo"), (4, "shm")):
+    for tp, all_reduce in MODELS[name][5]:
         got, stats = generate(loaded, tp, all_reduce)
         assert got == ref, (name, tp, all_reduce)
         assert stats.prefix_cache_hits >= 16  # the third prompt reused the second's blocks
@@ -86,9 +90,9 @@ def test_greedy_tp2_with_preemption(tmp_path):
 def test_heads_that_do_not_split_are_refused_before_any_process_starts():
     loaded = load_model("tiny")  # 4 heads, 2 KV heads
     before = _children()
-    with pytest.raises(ValueError, match="does not divide the model's 2 KV heads"):
+    with pytest.raises(ValueError, match="larger than the model's 2 KV heads"):
         EngineCore(engine_config(4), loaded)
-    with pytest.raises(ValueError, match="does not divide"):
+    with pytest.raises(ValueError, match="larger than the model's 2 KV heads"):
         EngineCore(engine_config(3), loaded)
     assert _children() == before
 
