@@ -175,3 +175,21 @@ def test_a_dead_worker_makes_the_service_engine_unhealthy():
 
     assert asyncio.run(main()) == pb.HealthResponse.NOT_SERVING
     assert proc.pid not in _children()
+
+
+def test_an_error_in_rank_0s_forward_stops_the_workers():
+    core = EngineCore(engine_config(2, num_blocks=16), load_model("tiny"))
+    (proc,) = core.executor.workers.procs
+    layer = core.model.layers[1].mlp
+
+    def broken(*args, **kwargs):  # after layer 0's all-reduces: the worker waits in layer 1
+        raise RuntimeError("boom")
+
+    layer.forward = broken
+    core.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4))
+    with pytest.raises(RuntimeError, match="boom"):
+        core.step()
+    assert proc.poll() is not None  # not left waiting in a collective
+    with pytest.raises(WorkerDiedError):
+        core.step()
+    core.close()
