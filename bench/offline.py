@@ -37,6 +37,8 @@ def add_offline_subcommand(sub) -> None:
     p.add_argument("--cpu-gemm", choices=["auto", "onednn", "torch"], default="auto")
     p.add_argument("--skip-hf", action="store_true", help="only our engine (no ratio)")
     p.add_argument("--seed", type=int, default=0)
+    from pdserve.common.engine.cli import add_parallel_args
+    add_parallel_args(p)  # T > 1: against TP=1 with T x --num-threads threads (offline_tp.py)
     p.set_defaults(func=run_offline)
 
 
@@ -129,6 +131,9 @@ def run_offline(args) -> int:
     from pdserve.common.models.registry import load_model
     import torch
 
+    if args.tensor_parallel_size > 1:
+        from pdserve.bench.offline_tp import run_offline_tp
+        return run_offline_tp(args)
     torch.set_num_threads(args.num_threads)
     n_prompts = 4 if args.batch1 and args.num_prompts == 64 else args.num_prompts
     loaded = load_model(args.model)

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0  # loading SmolLM2 in T processes on 2 shared cores can be slow
 _STOP_WAIT_S = 5.0
+_DEATH_GRACE_S = 1.0  # after a failed step: time for a dying worker to show as dead
 
 
 class WorkerDiedError(RuntimeError):
@@ -124,10 +125,20 @@ class WorkerGroup:
         conn = Connection(mine.detach())
         self.procs.append(p)
         self.conns.append(conn)
-        conn.send(spec)
+        conn.send_bytes(pickle.dumps(spec))  # plain pickle: tensors by value, no fd sharing
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
+
+    def any_died_within(self, seconds: float) -> bool:
+        """Whether a worker is dead or dies within `seconds` (a peer's socket closes a moment
+        before the process is reapable)."""
+        deadline = time.monotonic() + seconds
+        while self.alive():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def _expect(self, what: str) -> None:
         """Wait for `what` from every worker; a worker's error or death raises."""
@@ -203,8 +214,10 @@ class MultiProcExecutor:
                 conn.send_bytes(payload)
             logits = self.runner.execute(out, layer_done)
         except Exception as exc:
-            if not self.workers.alive():
-                self._fail()
+            # the ranks may now be at different collectives: no later step could pair them up
+            died = self.workers.any_died_within(_DEATH_GRACE_S)
+            self._fail()
+            if died:
                 raise WorkerDiedError(f"a tensor-parallel worker died during a step: "
                                       f"{exc}") from exc
             raise
@@ -220,7 +233,8 @@ class MultiProcExecutor:
             raise WorkerDiedError(f"tensor-parallel worker(s) {', '.join(dead)} died")
 
     def _fail(self) -> None:
-        log.error("a tensor-parallel worker died; stopping the others (pid %d)", os.getpid())
+        log.error("tensor-parallel step failed; stopping the workers (engine pid %d)",
+                  os.getpid())
         self.close()
 
     def close(self) -> None:

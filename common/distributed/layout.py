@@ -1,9 +1,10 @@
 """Which part of the model one tensor-parallel rank holds, and the check that a model splits.
 
-Rank r of T holds query heads [r*H/T, (r+1)*H/T) and KV heads [r*K/T, (r+1)*K/T) (so every query
-head's KV head lives on the same rank), 1/T of the MLP's intermediate features, and rows
+Rank r of T holds a contiguous run of KV heads (`kv_head_range`: K/T each when T divides K,
+else the first K % T ranks one more) and the query heads of those KV heads' groups, so every
+query head's KV head lives on the same rank; 1/T of the MLP's intermediate features; and rows
 [r*ceil(V/T), (r+1)*ceil(V/T)) of the vocabulary (embedding and LM head; the last shard is
-padded). KV heads are never replicated, so T must divide the KV head count.
+padded). KV heads are never replicated, so T may not exceed the KV head count.
 """
 
 from __future__ import annotations
@@ -60,14 +61,23 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
+def kv_head_range(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """(first KV head, count) of rank `rank`: contiguous, counts differ by at most one (the
+    first num_kv_heads % size ranks hold one more)."""
+    base, extra = divmod(num_kv_heads, size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
 def check_tp_split(cfg: ModelConfig, tp_size: int) -> None:
-    """ValueError naming the count that tp_size does not divide."""
-    for name, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
-                    ("intermediate size", cfg.intermediate_size)):
-        if n % tp_size:
-            raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's "
-                             f"{n} {name}; choose a size that divides {cfg.num_heads} heads "
-                             f"and {cfg.num_kv_heads} KV heads")
+    """ValueError naming the count that tp_size cannot split: every rank needs at least one
+    KV head (they are not replicated) and an equal share of the MLP's features."""
+    if cfg.num_kv_heads < tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} is larger than the model's "
+                         f"{cfg.num_kv_heads} KV heads (each rank needs one; they are not "
+                         f"replicated); use at most {cfg.num_kv_heads}")
+    if cfg.intermediate_size % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's "
+                         f"intermediate size {cfg.intermediate_size}")
 
 
 def vocab_shard(vocab_size: int, tp_size: int) -> int:

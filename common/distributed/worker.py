@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     conn = Connection(int(argv[0]))
     try:
-        spec = conn.recv()
+        spec = pickle.loads(conn.recv_bytes())
     except EOFError:
         return 0
     worker_main(spec, conn, parent)
@@ -118,7 +118,7 @@ def _build(spec: WorkerSpec, comm):
     tp = TensorParallel(spec.rank, spec.world_size, comm)
     model = build_rank_model(cfg, model_config, weights, tp, device)
     del weights  # keep only this rank's shard
-    caches = allocate_kv_caches(model_config, spec.world_size, spec.num_blocks,
+    caches = allocate_kv_caches(model_config, (spec.rank, spec.world_size), spec.num_blocks,
                                 cfg.cache.block_size, device)
     return ModelRunner(model, caches, cfg.cache.block_size, device)
 

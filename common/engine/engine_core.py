@@ -25,7 +25,8 @@ import torch
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.distributed.executor import Executor, MultiProcExecutor, UniProcExecutor
-from pdserve.common.distributed.layout import SINGLE, TensorParallel, check_tp_split, vocab_shard
+from pdserve.common.distributed.layout import (SINGLE, TensorParallel, check_tp_split,
+                                              kv_head_range, vocab_shard)
 from pdserve.common.engine.kv_connector import KVConnector
 from pdserve.common.engine.kv_transfer import NO_KV_TRANSFER, KVTransferParams
 from pdserve.common.engine.model_runner import ModelRunner
@@ -38,6 +39,7 @@ from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.kv.block_pool import BlockPool
 from pdserve.common.kv.kv_cache_manager import KVCacheManager
 from pdserve.common.kv.memory import plan_kv_blocks
+from pdserve.common.models.cpu_gemm import resolve_cpu_gemm
 from pdserve.common.models.registry import LoadedModel, load_model
 from pdserve.common.sampling_params import SamplingParams
 
@@ -65,15 +67,19 @@ class EngineCore:
                                       "implemented yet (issue 15, KV hand-off across layouts)")
         cc = config.cache
         # ranks on one host share its memory (the budget covers all of them); GPUs have their own
-        per_token = (cfg.kv_bytes_per_token if config.device == "cpu"
-                     else cfg.kv_bytes_per_token // tp_size)
+        per_token = cfg.kv_bytes_per_token
+        if config.device != "cpu":  # the busiest rank holds the most KV heads
+            per_token = per_token * kv_head_range(cfg.num_kv_heads, 0, tp_size)[1] \
+                // cfg.num_kv_heads
         plan = plan_kv_blocks(per_token, cc.block_size,
                               budget_bytes=cc.kv_cache_bytes, fraction=cc.kv_cache_fraction,
                               num_blocks=cc.num_blocks, device=config.device)
         self.kv_plan = plan
         self.max_model_len = min(config.scheduler.max_model_len, cfg.max_position_embeddings,
                                  plan.num_tokens)
+        self.cpu_gemm = resolve_cpu_gemm(config.cpu_gemm, config.device)
         self.executor = self._start_executor(loaded, plan.num_blocks, given)
+        self.model = self.executor.runner.model  # rank 0's shard (the whole model at T=1)
         self.pool = BlockPool(plan.num_blocks, cc.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, cc.block_size, self.fingerprint)
         self.connector = connector_factory(self) if connector_factory else None
@@ -94,7 +100,7 @@ class EngineCore:
         device = rank_device(config.device, 0, tp_size)
         if tp_size == 1:
             model = build_rank_model(config, cfg, loaded.weights, SINGLE, device)
-            caches = allocate_kv_caches(cfg, 1, num_blocks, config.cache.block_size, device)
+            caches = allocate_kv_caches(cfg, (0, 1), num_blocks, config.cache.block_size, device)
             return UniProcExecutor(ModelRunner(model, caches, config.cache.block_size, device))
         from pdserve.common.distributed.executor import WorkerGroup
 
@@ -106,7 +112,7 @@ class EngineCore:
         try:
             model = build_rank_model(config, cfg, loaded.weights,
                                      TensorParallel(0, tp_size, workers.comm), device)
-            caches = allocate_kv_caches(cfg, tp_size, num_blocks, config.cache.block_size,
+            caches = allocate_kv_caches(cfg, (0, tp_size), num_blocks, config.cache.block_size,
                                         device)
             workers.wait_ready()
         except BaseException:

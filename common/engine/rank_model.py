@@ -8,7 +8,7 @@ import torch
 from pdserve.common.attention.backend import get_attention_backend
 from pdserve.common.attention.cpu_native import load_cpu_kernels
 from pdserve.common.config import EngineConfig, ModelConfig
-from pdserve.common.distributed.layout import TensorParallel
+from pdserve.common.distributed.layout import TensorParallel, kv_head_range
 from pdserve.common.models.cpu_gemm import pack_linears, resolve_cpu_gemm
 from pdserve.common.models.llama import LlamaForCausalLM
 
@@ -30,12 +30,12 @@ def build_rank_model(config: EngineConfig, model_config: ModelConfig,
     return model
 
 
-def allocate_kv_caches(cfg: ModelConfig, tp_size: int, num_blocks: int, block_size: int,
-                       device: str) -> list[torch.Tensor]:
-    """One [2, blocks, block_size, kv_heads / tp, head_dim] tensor per layer: this rank's
-    heads of every block."""
-    return [torch.zeros(2, num_blocks, block_size, cfg.num_kv_heads // tp_size, cfg.head_dim,
-                        device=device)
+def allocate_kv_caches(cfg: ModelConfig, tp: tuple[int, int], num_blocks: int,
+                       block_size: int, device: str) -> list[torch.Tensor]:
+    """One [2, blocks, block_size, this rank's KV heads, head_dim] tensor per layer (tp: rank,
+    size): this rank's heads of every block."""
+    _, heads = kv_head_range(cfg.num_kv_heads, *tp)
+    return [torch.zeros(2, num_blocks, block_size, heads, cfg.head_dim, device=device)
             for _ in range(cfg.num_layers)]
 
 

@@ -24,16 +24,26 @@ from torch import nn
 from pdserve.common.models.cpu_gemm import pack_weight, packed_linear, packed_linear_binary
 
 
+def even_shard(size: int, tp_rank: int, tp_size: int, what: str) -> tuple[int, int]:
+    """(start, length) of rank tp_rank's equal share of `size` features."""
+    if size % tp_size:
+        raise ValueError(f"{what} {size} not divisible by tp_size {tp_size}")
+    n = size // tp_size
+    return tp_rank * n, n
+
+
 class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
-        if out_features % tp_size:
-            raise ValueError(f"out_features {out_features} not divisible by tp_size {tp_size}")
+        _, n = even_shard(out_features, tp_rank, tp_size, "out_features")
+        self._setup(in_features, n, bias, tp_rank, tp_size)
+
+    def _setup(self, in_features: int, local_out: int, bias: bool, tp_rank: int,
+               tp_size: int) -> None:
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.weight = nn.Parameter(torch.empty(out_features // tp_size, in_features),
-                                   requires_grad=False)
-        self.bias = (nn.Parameter(torch.zeros(out_features // tp_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(local_out, in_features), requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(local_out), requires_grad=False)
                      if bias else None)
         self.packed: torch.Tensor | None = None  # oneDNN weight once pack_onednn() ran
 
@@ -55,22 +65,29 @@ class ColumnParallelLinear(nn.Module):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections stacked on the output dim (e.g. gate and up)."""
+    """Several column-parallel projections stacked on the output dim (e.g. gate and up).
+
+    `shards`: this rank's (start, length) rows of each projection; default an equal share of
+    each (QKV passes uneven ones when the KV heads do not split evenly)."""
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1,
+                 shards: list[tuple[int, int]] | None = None):
+        nn.Module.__init__(self)
         self.out_sizes = list(out_sizes)
-        super().__init__(in_features, sum(out_sizes), bias, tp_rank, tp_size)
+        self.shards = shards or [even_shard(s, tp_rank, tp_size, "out_features")
+                                 for s in out_sizes]
+        self._setup(in_features, sum(n for _, n in self.shards), bias, tp_rank, tp_size)
         self.packed_shards: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     def weight_loader(self, param, full, shard_id=None):
-        start = sum(self.out_sizes[:shard_id]) // self.tp_size
-        n = self.out_sizes[shard_id] // self.tp_size
-        param.data[start:start + n].copy_(self._shard(full))
+        local = sum(n for _, n in self.shards[:shard_id])
+        start, n = self.shards[shard_id]
+        param.data[local:local + n].copy_(full[start:start + n])
 
     def pack_onednn(self) -> None:
         """One packed GEMM per projection, so `silu_and_mul` can fuse into them."""
-        sizes = [s // self.tp_size for s in self.out_sizes]
+        sizes = [n for _, n in self.shards]
         ws = self.weight.detach().split(sizes)
         bs = self.bias.detach().split(sizes) if self.bias is not None else [None] * len(ws)
         self.packed_shards = [(pack_weight(w), b) for w, b in zip(ws, bs)]
@@ -93,10 +110,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
+    """`kv_heads`: this rank's (first KV head, count); its query heads are those KV heads'
+    groups. Default: all heads (tp_size 1)."""
+
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1,
+                 kv_heads: tuple[int, int] | None = None):
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden, sizes, bias, tp_rank, tp_size)
+        first, count = kv_heads or (0, num_kv_heads)
+        group = num_heads // num_kv_heads
+        kv = (first * head_dim, count * head_dim)
+        shards = [(first * group * head_dim, count * group * head_dim), kv, kv]
+        super().__init__(hidden, sizes, bias, tp_rank, tp_size, shards)
 
     def weight_loader(self, param, full, shard_id=None):
         super().weight_loader(param, full, {"q": 0, "k": 1, "v": 2}[shard_id])
@@ -107,16 +132,17 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1, comm=None):
+                 tp_rank: int = 0, tp_size: int = 1, comm=None,
+                 in_shard: tuple[int, int] | None = None):
         """`comm`: the tensor-parallel group's Communicator (common/distributed/layout.py),
-        required when tp_size > 1."""
+        required when tp_size > 1. `in_shard`: this rank's (start, length) input features;
+        default an equal share."""
         super().__init__()
-        if in_features % tp_size:
-            raise ValueError(f"in_features {in_features} not divisible by tp_size {tp_size}")
+        self.in_shard = in_shard or even_shard(in_features, tp_rank, tp_size, "in_features")
         if tp_size > 1 and comm is None:
             raise ValueError("a row-parallel linear with tp_size > 1 needs a communicator")
         self.tp_rank, self.tp_size, self.comm = tp_rank, tp_size, comm
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp_size),
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_shard[1]),
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.zeros(out_features), requires_grad=False)
                      if bias else None)
@@ -147,5 +173,5 @@ class RowParallelLinear(nn.Module):
         if param.dim() == 1:  # bias is not sharded
             param.data.copy_(full)
             return
-        n = full.shape[1] // self.tp_size
-        param.data.copy_(full[:, self.tp_rank * n:(self.tp_rank + 1) * n])
+        start, n = self.in_shard
+        param.data.copy_(full[:, start:start + n])

@@ -14,7 +14,8 @@ from torch import nn
 
 from pdserve.common.attention.backend import AttentionBackend, AttentionMetadata
 from pdserve.common.config import ModelConfig
-from pdserve.common.distributed.layout import SINGLE, TensorParallel, check_tp_split
+from pdserve.common.distributed.layout import (SINGLE, TensorParallel, check_tp_split,
+                                              kv_head_range)
 from pdserve.common.models.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                           RowParallelLinear)
 from pdserve.common.models.rope import RotaryEmbedding
@@ -35,19 +36,20 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """This rank's heads only: num_heads / tp and num_kv_heads / tp of them."""
+    """This rank's heads only: its KV heads (layout.kv_head_range) and their query heads."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rope: RotaryEmbedding,
                  tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_heads // tp.size,
-                                                            cfg.num_kv_heads // tp.size,
-                                                            cfg.head_dim)
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
-                                          cfg.num_kv_heads, bias=cfg.qkv_bias,
-                                          tp_rank=tp.rank, tp_size=tp.size)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
-                                        tp_rank=tp.rank, tp_size=tp.size, comm=tp.comm)
+        first, count = kv_head_range(cfg.num_kv_heads, tp.rank, tp.size)
+        group, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = count * group, count, d
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads,
+                                          bias=cfg.qkv_bias, tp_rank=tp.rank, tp_size=tp.size,
+                                          kv_heads=(first, count))
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp_rank=tp.rank,
+                                        tp_size=tp.size, comm=tp.comm,
+                                        in_shard=(first * group * d, count * group * d))
         self.backend, self.rope = backend, rope
         self.scale = cfg.head_dim ** -0.5
 

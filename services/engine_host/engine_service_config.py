@@ -59,6 +59,9 @@ class EngineServiceConfig:
             raise ValueError("grpc_max_message_bytes and grpc_max_concurrent_rpcs must be >= 1")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.parallel.tensor_parallel_size > 1 and self.kv_store:
+            raise NotImplementedError("--kv-store with --tensor-parallel-size > 1 is not "
+                                      "implemented yet (issue 15: KV hand-off across layouts)")
         self.engine_config()  # the engine's own checks, now rather than after startup
         self.kv_settings()
 
