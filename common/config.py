@@ -13,6 +13,7 @@ from typing import Literal, Optional
 
 RopeScalingType = Literal["none", "linear", "llama3"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
+WEIGHTS_MODES = ("packed", "fp32")  # GGUF-quantized matrices kept packed, or expanded at load
 
 
 def _require(cond: bool, name: str, allowed: str, value) -> None:
@@ -137,6 +138,7 @@ class EngineConfig:
     attention_backend: AttentionBackendName = "auto"
     device: str = "cpu"
     cpu_gemm: str = "auto"  # auto | onednn | torch: how linears multiply on the CPU (cpu_gemm.py)
+    weights: str = "packed"  # packed | fp32: quantized GGUF matrices stay packed (models/quant)
     num_threads: Optional[int] = None  # torch threads; None -> leave torch's default
     seed: int = 0
     tiny_model_seed: int = 0  # for model == "tiny"
@@ -147,6 +149,7 @@ class EngineConfig:
                  "one of auto, torch, triton", self.attention_backend)
         _require(self.cpu_gemm in ("auto", "onednn", "torch"), "cpu_gemm",
                  "one of auto, onednn, torch", self.cpu_gemm)
+        _require(self.weights in WEIGHTS_MODES, "weights", "one of packed, fp32", self.weights)
         if self.num_threads is not None:
             _require(self.num_threads > 0, "num_threads", "> 0", self.num_threads)
         _require(self.device == "cpu" or self.device.startswith("cuda"), "device",

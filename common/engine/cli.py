@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 
-from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.common.config import WEIGHTS_MODES, CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.common.sampling_params import SamplingParams
 
 
@@ -16,6 +16,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--cpu-gemm", choices=["auto", "onednn", "torch"], default="auto",
                    help="CPU linears: oneDNN prepacked (auto when available) or torch's matmul")
+    add_weights_arg(p)
     p.add_argument("--num-threads", type=int, default=2, help="torch threads")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
@@ -26,10 +27,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
 
 
+def add_weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", choices=WEIGHTS_MODES, default=EngineConfig.weights,
+                   help="packed: a GGUF's Q4_0/Q4_1/Q8_0 matrices stay packed in memory and "
+                   "multiply in fp32 (docs/packed-weights.md); fp32: expand them at load")
+
+
 def engine_config(args) -> EngineConfig:
     return EngineConfig(
         model=args.model, attention_backend=args.attention_backend, device=args.device,
-        cpu_gemm=args.cpu_gemm, num_threads=args.num_threads,
+        cpu_gemm=args.cpu_gemm, weights=args.weights, num_threads=args.num_threads,
         cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
                           kv_cache_fraction=args.kv_cache_fraction,
                           enable_prefix_caching=not args.no_prefix_caching),

@@ -46,7 +46,8 @@ class EngineCore:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        loaded = loaded or load_model(config.model, tiny_seed=config.tiny_model_seed)
+        loaded = loaded or load_model(config.model, tiny_seed=config.tiny_model_seed,
+                                      weights=config.weights)
         self.tokenizer = loaded.tokenizer
         self.model_config = cfg = loaded.config
         self.fingerprint = loaded.fingerprint

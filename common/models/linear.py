@@ -13,6 +13,12 @@ reordered once for oneDNN and the plain copy dropped; the layers then also fuse 
 into the GEMM as oneDNN post-ops (SiLU-and-mul for gate/up, the residual add for row-parallel
 outputs). Without packing the same methods run the unfused torch ops, with the same results up
 to fp32 rounding.
+
+GGUF-quantized weights may instead stay packed (quant/packed.py): `load_packed` takes each
+shard's blocks, `finish_loading` stacks them into one `packed_weight` and drops the fp32
+parameter, and forward multiplies through quant/gemm.py (blocks expanded to fp32 in registers,
+fp32 accumulation). A layer whose shards cannot all stay packed (mixed types, some shards fp32,
+tp_size > 1) expands the packed ones into its fp32 weight instead, so it always loads.
 """
 
 from __future__ import annotations
@@ -21,10 +27,62 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import logging
+
 from pdserve.common.models.cpu_gemm import pack_weight, packed_linear, packed_linear_binary
+from pdserve.common.models.quant.gemm import packed_linear as quant_linear
+from pdserve.common.models.quant.packed import PackedWeight
+
+logger = logging.getLogger(__name__)
 
 
-class ColumnParallelLinear(nn.Module):
+class _PackedLoading:
+    """Mixin: collect GGUF-packed shards while loading; stack them or expand them after.
+
+    Subclasses name their shard ids (`packed_shard_ids`) and provide `weight_loader`."""
+
+    packed_shard_ids: tuple = (None,)
+
+    def _init_packed(self) -> None:
+        self.packed_weight: PackedWeight | None = None
+        self._pending: dict = {}
+
+    def load_packed(self, w: PackedWeight, shard_id=None) -> None:
+        """Take shard `shard_id` of this layer as packed blocks (full, unsharded rows)."""
+        if shard_id not in self.packed_shard_ids:
+            raise ValueError(f"unknown shard {shard_id!r}")
+        if w.shape != self.full_shape(shard_id):
+            raise ValueError(f"packed shard {shard_id!r} has shape {w.shape}, expected "
+                             f"{self.full_shape(shard_id)}")
+        self._pending[shard_id] = w
+
+    def _apply(self, fn, recurse=True):  # .to(device) moves the packed bytes too
+        if self.packed_weight is not None:
+            self.packed_weight = self.packed_weight.apply(fn)
+        return super()._apply(fn, recurse)
+
+    def finish_loading(self) -> None:
+        """After every weight is loaded: one packed weight if all shards came packed in one
+        type (and tp_size == 1), else the packed shards expanded into the fp32 weight."""
+        pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        parts = [pending.get(s) for s in self.packed_shard_ids]
+        if (self.tp_size == 1 and all(p is not None for p in parts)
+                and len({(p.qtype, p.in_features) for p in parts}) == 1):
+            self.packed_weight = parts[0] if len(parts) == 1 else PackedWeight.cat(parts)
+            if tuple(self.packed_weight.shape) != tuple(self.weight.shape):
+                raise ValueError(f"packed weight has shape {self.packed_weight.shape}, "
+                                 f"expected {tuple(self.weight.shape)}")
+            self.weight = None  # a tied embedding keeps its own reference
+            return
+        logger.info("%s: shards %s expanded to fp32 (mixed types, fp32 shards or tp > 1)",
+                    type(self).__name__, sorted(map(str, pending)))
+        for shard_id, w in pending.items():
+            self.weight_loader(self.weight, w.dequantize(), shard_id)
+
+
+class ColumnParallelLinear(_PackedLoading, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
@@ -36,8 +94,11 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (nn.Parameter(torch.zeros(out_features // tp_size), requires_grad=False)
                      if bias else None)
         self.packed: torch.Tensor | None = None  # oneDNN weight once pack_onednn() ran
+        self._init_packed()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return quant_linear(x, self.packed_weight, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
@@ -45,6 +106,13 @@ class ColumnParallelLinear(nn.Module):
     def pack_onednn(self) -> None:
         self.packed = pack_weight(self.weight.detach())
         self.weight = None  # a tied embedding keeps its own reference to the tensor
+
+    def full_shape(self, shard_id=None) -> tuple[int, int]:
+        """(out, in) of the unsharded weight (of one projection, for fused layers)."""
+        if shard_id is None:
+            return (self.weight.shape[0] * self.tp_size, self.weight.shape[1])
+        index = self.packed_shard_ids.index(shard_id)
+        return (self.out_sizes[index], self.weight.shape[1])
 
     def _shard(self, full: torch.Tensor) -> torch.Tensor:
         n = full.shape[0] // self.tp_size
@@ -60,6 +128,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1):
         self.out_sizes = list(out_sizes)
+        self.packed_shard_ids = tuple(range(len(out_sizes)))
         super().__init__(in_features, sum(out_sizes), bias, tp_rank, tp_size)
         self.packed_shards: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
@@ -97,6 +166,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
                  bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         super().__init__(hidden, sizes, bias, tp_rank, tp_size)
+        self.packed_shard_ids = ("q", "k", "v")
 
     def weight_loader(self, param, full, shard_id=None):
         super().weight_loader(param, full, {"q": 0, "k": 1, "v": 2}[shard_id])
@@ -105,7 +175,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         ColumnParallelLinear.pack_onednn(self)  # q, k and v stay one GEMM
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_PackedLoading, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
@@ -117,9 +187,12 @@ class RowParallelLinear(nn.Module):
         self.bias = (nn.Parameter(torch.zeros(out_features), requires_grad=False)
                      if bias else None)
         self.packed: torch.Tensor | None = None
+        self._init_packed()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in / tp] -> x W^T (summed over ranks) + bias (+ residual) [T, out]."""
+        if self.packed_weight is not None:  # only ever set with tp_size == 1
+            return quant_linear(x, self.packed_weight, self.bias, residual)
         if self.packed is not None and self.tp_size == 1:
             if residual is None:
                 return packed_linear(x, self.packed, self.bias)
@@ -135,6 +208,9 @@ class RowParallelLinear(nn.Module):
     def pack_onednn(self) -> None:
         self.packed = pack_weight(self.weight.detach())
         self.weight = None
+
+    def full_shape(self, shard_id=None) -> tuple[int, int]:
+        return (self.weight.shape[0], self.weight.shape[1] * self.tp_size)
 
     def weight_loader(self, param, full, shard_id=None):
         if param.dim() == 1:  # bias is not sharded

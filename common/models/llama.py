@@ -16,6 +16,8 @@ from pdserve.common.attention.backend import AttentionBackend, AttentionMetadata
 from pdserve.common.config import ModelConfig
 from pdserve.common.models.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                           QKVParallelLinear, RowParallelLinear)
+from pdserve.common.models.quant.embedding import PackedEmbedding
+from pdserve.common.models.quant.packed import PackedWeight
 from pdserve.common.models.rope import RotaryEmbedding
 
 
@@ -134,8 +136,9 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] -> logits [N, vocab] (fp32)."""
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face named weights; every parameter must be covered exactly once."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
+        """Load Hugging Face named weights; every parameter must be covered exactly once.
+        `PackedWeight`s (GGUF blocks) stay packed in the linears and the embedding."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for hf_name, tensor in weights:
@@ -146,7 +149,15 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"unexpected weight {hf_name!r}")
             param = params[name]
-            loader = getattr(self.get_submodule(name.rsplit(".", 1)[0]), "weight_loader", None)
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(tensor, PackedWeight):
+                if self._load_packed(name, module, tensor, shard):
+                    loaded.update([name if shard is None else f"{name}:{shard}"]
+                                  + (["lm_head.weight"] if name == "embed_tokens.weight"
+                                     and self.config.tie_word_embeddings else []))
+                    continue
+                tensor = tensor.dequantize()
+            loader = getattr(module, "weight_loader", None)
             tensor = tensor.to(param.dtype)
             if loader is not None:
                 loader(param, tensor, shard)
@@ -157,6 +168,24 @@ class LlamaForCausalLM(nn.Module):
                 param.data.copy_(tensor)
             loaded.add(name if shard is None else f"{name}:{shard}")
         self._check_complete(loaded)
+        for m in self.modules():
+            if hasattr(m, "finish_loading"):
+                m.finish_loading()
+
+    def _load_packed(self, name: str, module: nn.Module, w: PackedWeight, shard) -> bool:
+        """Keep `w` packed where a module can use it; False: load it as fp32 instead."""
+        if name == "embed_tokens.weight":
+            if w.shape != tuple(self.embed_tokens.weight.shape):
+                raise ValueError(f"weight {name!r} has shape {w.shape}, expected "
+                                 f"{tuple(self.embed_tokens.weight.shape)}")
+            self.embed_tokens = PackedEmbedding(w)
+            if self.config.tie_word_embeddings:  # the head multiplies by the same blocks
+                self.lm_head.load_packed(w)
+            return True
+        if hasattr(module, "load_packed"):
+            module.load_packed(w, shard)
+            return True
+        return False
 
     def _check_complete(self, loaded: set[str]) -> None:
         expected = set()

@@ -36,6 +36,7 @@ class EngineServiceConfig:
     device: str = "cpu"  # "cuda" (or "cuda:N") runs the engine on a GPU
     attention_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA)
     cpu_gemm: str = "auto"  # auto | onednn | torch (auto: oneDNN prepacked on a CPU that has it)
+    weights: str = EngineConfig.weights  # packed | fp32 (quantized GGUF matrices kept packed)
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -68,6 +69,7 @@ class EngineServiceConfig:
             device=self.device,
             attention_backend=self.attention_backend,
             cpu_gemm=self.cpu_gemm,
+            weights=self.weights,
         )
 
     def kv_settings(self) -> Optional[KVStoreSettings]:
