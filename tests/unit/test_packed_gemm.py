@@ -8,40 +8,17 @@ and N cover the kernels' row tiles and tails; K = 32 is a single block.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from gguf.quants import dequantize, quantize
 
 from pdserve.common.models.quant import gemm
 from pdserve.common.models.quant.cpu_native import load_packed_kernels
 from pdserve.common.models.quant.packed import PackedWeight, QType
+from pdserve.tests.unit.packed_helpers import make_weight, reference, tol
 
 torch.set_num_threads(2)
 QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0]
 SHAPES = [(1, 1, 32), (1, 7, 64), (3, 33, 96), (5, 64, 576), (17, 130, 320), (40, 1100, 64)]
-
-
-def make_weight(qtype: QType, n: int, k: int, seed: int = 0) -> tuple[PackedWeight, torch.Tensor]:
-    """A random weight quantized by gguf-py; returns it packed and as gguf-py dequantizes it."""
-    from gguf import GGMLQuantizationType as QT
-    values = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    packed = quantize(values, QT(int(qtype)))  # [n, k / 32 * block_bytes] uint8
-    ref = dequantize(packed, QT(int(qtype))).astype(np.float32)
-    return PackedWeight.from_numpy(qtype, packed, k), torch.from_numpy(ref.copy())
-
-
-def reference(x, w_fp32, bias=None, residual=None):
-    y = x.double() @ w_fp32.double().T
-    if bias is not None:
-        y = y + bias.double()
-    if residual is not None:
-        y = y + residual.double()
-    return y.float()
-
-
-def tol(k: int) -> dict:
-    return dict(atol=2e-5 * k ** 0.5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)

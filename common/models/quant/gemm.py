@@ -20,10 +20,11 @@ import torch
 from pdserve.common.models.quant.cpu_native import load_packed_kernels
 from pdserve.common.models.quant.packed import PackedWeight
 
-# Measured on the 2-core AMD EPYC (AVX2) at SmolLM2's shapes with `python -m
-# pdserve.common.models.quant.crossover` (see docs/packed-weights.md): the packed kernel is
-# faster below this many rows, expand + fp32 GEMM from here up.
-LARGE_M = 32
+# Measured on the 2-core AMD EPYC (AVX2 build) over SmolLM2-shaped Q4_1 layers with
+# `flock /tmp/pdserve-cpu.lock python -m pdserve.common.models.quant.crossover` (numbers in
+# docs/packed-weights.md): the packed kernel is 3.6-3.9x faster at M = 1-4, expand + fp32 GEMM
+# faster from M = 8 on at every M measured (up to 256).
+LARGE_M = 8
 TILE_ROWS = 1024  # rows expanded per GEMM call on the large-M path: 2.4 MB at K = 576
 
 
