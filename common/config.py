@@ -96,6 +96,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_bytes: Optional[int] = None
     kv_cache_fraction: float = 0.25  # of free host memory, when kv_cache_bytes is None
+    memory_budget_bytes: Optional[int] = None  # weights + KV; the KV gets what weights leave
     num_blocks: Optional[int] = None  # overrides both (tests)
     enable_prefix_caching: bool = True
 
@@ -104,6 +105,10 @@ class CacheConfig:
                  "block_size", "a power of two", self.block_size)
         if self.kv_cache_bytes is not None:
             _require(self.kv_cache_bytes > 0, "kv_cache_bytes", "> 0", self.kv_cache_bytes)
+        if self.memory_budget_bytes is not None:
+            _require(self.memory_budget_bytes > 0 and self.kv_cache_bytes is None,
+                     "memory_budget_bytes", "> 0 and not given with kv_cache_bytes",
+                     self.memory_budget_bytes)
         _require(0 < self.kv_cache_fraction <= 0.95, "kv_cache_fraction", "in (0, 0.95]",
                  self.kv_cache_fraction)
         if self.num_blocks is not None:

@@ -21,6 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--kv-cache-fraction", type=float, default=0.2)
+    p.add_argument("--memory-budget-bytes", type=int, default=None,
+                   help="weights + KV cache; the KV gets what the resident weights leave")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -39,6 +41,7 @@ def engine_config(args) -> EngineConfig:
         cpu_gemm=args.cpu_gemm, weights=args.weights, num_threads=args.num_threads,
         cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
                           kv_cache_fraction=args.kv_cache_fraction,
+                          memory_budget_bytes=args.memory_budget_bytes,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,

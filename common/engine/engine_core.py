@@ -30,6 +30,7 @@ from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.kv.block_pool import BlockPool
 from pdserve.common.kv.kv_cache_manager import KVCacheManager
 from pdserve.common.kv.memory import plan_kv_blocks
+from pdserve.common.models.quant.footprint import weights_footprint
 from pdserve.common.models.cpu_gemm import pack_linears, resolve_cpu_gemm
 from pdserve.common.models.llama import LlamaForCausalLM
 from pdserve.common.models.registry import LoadedModel, load_model
@@ -62,9 +63,12 @@ class EngineCore:
         if native is not None:
             self.model.use_cpu_kernels(native)
         cc = config.cache
+        self.weights_footprint = weights_footprint(self.model)
         plan = plan_kv_blocks(cfg.kv_bytes_per_token, cc.block_size,
                               budget_bytes=cc.kv_cache_bytes, fraction=cc.kv_cache_fraction,
-                              num_blocks=cc.num_blocks, device=config.device)
+                              num_blocks=cc.num_blocks, device=config.device,
+                              memory_budget_bytes=cc.memory_budget_bytes,
+                              weights=self.weights_footprint)
         self.kv_plan = plan
         self.max_model_len = min(config.scheduler.max_model_len, cfg.max_position_embeddings,
                                  plan.num_tokens)

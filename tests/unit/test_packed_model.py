@@ -116,6 +116,10 @@ def test_engine_packed_equals_fp32(tmp_path, tied):
     assert layer1.mlp.down_proj.packed_weight is None and layer1.mlp.gate_up_proj.packed_weight
     assert isinstance(model.embed_tokens, PackedEmbedding)
     assert (model.lm_head.packed_weight is model.embed_tokens.packed_weight) == tied
+    fp, fp_ref = ours.engine.weights_footprint, ref.engine.weights_footprint
+    assert fp.fp32_bytes == sum(w.numel() * 4 for w in expand_weights(
+        load_gguf(tmp_path / "m.gguf")[1]).values())  # each weight once, as fp32
+    assert fp.resident_bytes < 0.5 * fp_ref.resident_bytes
     long_prompt = [(7 * i) % (VOCAB - 1) + 1 for i in range(gemm.LARGE_M + 9)]
     prompts = [[3, 17, 42, 99, 5], long_prompt]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
