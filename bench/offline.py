@@ -11,6 +11,11 @@ Beside it, a stricter ceiling at the fastest fp32 GEMM this machine offers (oneD
 GEMM where available, which the engine itself uses): ceiling_fraction_fastest_gemm. Both GEMMs
 are measured over every layer's own weights. Figures are medians over --repeats runs; the last
 line printed is one JSON object.
+
+--weights both (the default) runs the engine twice per repeat, with a GGUF's quantized matrices
+kept packed and expanded to fp32 (docs/packed-weights.md), and prints packed_vs_fp32 (fp32 time /
+packed time), each engine's resident weight bytes and the KV blocks each gets for the same
+--memory-budget-bytes.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ def add_offline_subcommand(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--cpu-gemm", choices=["auto", "onednn", "torch"], default="auto")
     p.add_argument("--skip-hf", action="store_true", help="only our engine (no ratio)")
+    p.add_argument("--weights", choices=["both", "packed", "fp32"], default="both",
+                   help="engine weights: packed GGUF blocks, fp32, or both side by side")
+    p.add_argument("--memory-budget-bytes", type=int, default=1 << 30,
+                   help="weights + KV budget for the KV-blocks comparison (not allocated)")
     p.add_argument("--seed", type=int, default=0)
     from pdserve.common.engine.cli import add_parallel_args
     add_parallel_args(p)  # T > 1: against TP=1 with T x --num-threads threads (offline_tp.py)
@@ -125,10 +134,29 @@ def run_hf(hf, prompts, output_len: int, batch1: bool) -> float:
     return time.perf_counter() - t
 
 
+def cpu_name() -> str:
+    """The CPU model, as /proc/cpuinfo names it (platform's answer elsewhere)."""
+    import platform
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def weights_modes(choice: str) -> list[str]:
+    return ["packed", "fp32"] if choice == "both" else [choice]
+
+
 def run_offline(args) -> int:
+    import dataclasses
+
     from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.common.engine.llm import LLM
-    from pdserve.common.models.registry import load_model
+    from pdserve.common.models.registry import expand_weights, load_model
     import torch
 
     if args.tensor_parallel_size > 1:
@@ -136,29 +164,56 @@ def run_offline(args) -> int:
         return run_offline_tp(args)
     torch.set_num_threads(args.num_threads)
     n_prompts = 4 if args.batch1 and args.num_prompts == 64 else args.num_prompts
-    loaded = load_model(args.model)
-    cfg = loaded.config
+    modes = weights_modes(args.weights)
+    loaded = {m: load_model(args.model, weights=m) for m in modes}
+    cfg = loaded[modes[0]].config
     prompts = random_prompts(n_prompts, args.input_len, cfg.vocab_size, args.seed)
     concurrency = 1 if args.batch1 else n_prompts
     tokens_needed = concurrency * (args.input_len + args.output_len)
-    llm = LLM(EngineConfig(
-        model=args.model, num_threads=args.num_threads, cpu_gemm=args.cpu_gemm,
+    llms = {m: LLM(EngineConfig(
+        model=args.model, num_threads=args.num_threads, cpu_gemm=args.cpu_gemm, weights=m,
         cache=CacheConfig(num_blocks=tokens_needed // 16 + 2 * concurrency + 16),
         scheduler=SchedulerConfig(max_num_seqs=concurrency,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.input_len + args.output_len + 16)),
-        loaded=loaded)
-    hf = None if args.skip_hf else build_hf(loaded)
-    ours, theirs = [], []
-    for _ in range(args.repeats):  # interleaved, so drift hits both alike
-        ours.append(run_ours(llm, prompts, args.output_len, args.batch1))
+        loaded=loaded[m]) for m in modes}
+    hf = None if args.skip_hf else build_hf(dataclasses.replace(
+        loaded[modes[0]], weights=expand_weights(loaded[modes[0]].weights)))
+    ours: dict[str, list[float]] = {m: [] for m in modes}
+    theirs = []
+    for _ in range(args.repeats):  # interleaved, so drift hits all alike
+        for m in modes:
+            ours[m].append(run_ours(llms[m], prompts, args.output_len, args.batch1))
         if hf is not None:
             theirs.append(run_hf(hf, prompts, args.output_len, args.batch1))
-    report(args, cfg, n_prompts, concurrency, ours, theirs)
+    report(args, cfg, n_prompts, concurrency, ours[modes[0]], theirs,
+           weights_report(args, cfg, llms, ours, n_prompts * args.output_len))
     return 0
 
 
-def report(args, cfg, n_prompts, concurrency, ours, theirs) -> None:
+def weights_report(args, cfg, llms, ours, n_out: int) -> dict:
+    """Per weights mode: time, rate, resident weight bytes, KV blocks for the same budget."""
+    from pdserve.common.kv.memory import plan_kv_blocks
+    from pdserve.common.models.quant.cpu_native import load_packed_kernels
+    by = {}
+    for m, llm in llms.items():
+        fp = llm.engine.weights_footprint
+        t = statistics.median(ours[m])
+        blocks = plan_kv_blocks(cfg.kv_bytes_per_token, 16, weights=fp,
+                                memory_budget_bytes=args.memory_budget_bytes).num_blocks
+        by[m] = {"s": t, "output_tok_s": n_out / t,
+                 "weights_resident_mib": fp.resident_bytes / 2**20,
+                 "weights_fp32_mib": fp.fp32_bytes / 2**20, "kv_blocks_for_budget": blocks}
+    native = load_packed_kernels()
+    res = {"cpu": cpu_name(), "packed_kernel_simd": native.simd if native else None,
+           "weights": list(llms), "by_weights": by,
+           "memory_budget_mib": args.memory_budget_bytes / 2**20}
+    if {"packed", "fp32"} <= set(by):
+        res["packed_vs_fp32"] = by["fp32"]["s"] / by["packed"]["s"]
+    return res
+
+
+def report(args, cfg, n_prompts, concurrency, ours, theirs, extra: dict | None = None) -> None:
     body, head = matmul_params(cfg)
     n_in, n_out = n_prompts * args.input_len, n_prompts * args.output_len
     prefill_m = min(args.max_num_batched_tokens, concurrency * args.input_len)
@@ -191,14 +246,27 @@ def report(args, cfg, n_prompts, concurrency, ours, theirs) -> None:
     if theirs:
         t_hf = statistics.median(theirs)
         res.update(hf_s=t_hf, hf_output_tok_s=n_out / t_hf, ratio=t_hf / t_ours)
+    res.update(extra or {})
     rows = [("engine", "time s", "output tok/s"),
             ("pdserve", f"{t_ours:.2f}", f"{n_out / t_ours:.1f}")]
     if theirs:
         rows.append(("transformers", f"{res['hf_s']:.2f}", f"{res['hf_output_tok_s']:.1f}"))
     rows.append(("fp32 ceiling", f"{ideal:.2f}", f"{n_out / ideal:.1f}"))
     rows.append(("(fastest GEMM)", f"{ideal_fast:.2f}", f"{n_out / ideal_fast:.1f}"))
+    for m, b in (extra or {}).get("by_weights", {}).items():
+        rows.append((f"  {m} weights", f"{b['s']:.2f}", f"{b['output_tok_s']:.1f}"))
     for r in rows:
-        print(f"{r[0]:<14}{r[1]:>10}{r[2]:>14}")
+        print(f"{r[0]:<16}{r[1]:>10}{r[2]:>14}")
+    for m, b in (extra or {}).get("by_weights", {}).items():
+        print(f"{m}: weights {b['weights_resident_mib']:.1f} MiB resident "
+              f"({b['weights_fp32_mib']:.1f} MiB as fp32); KV blocks in a "
+              f"{args.memory_budget_bytes / 2**20:.0f} MiB budget: {b['kv_blocks_for_budget']}")
+    if extra and "packed_vs_fp32" in extra:
+        print(f"ratio packed/fp32 weights (fp32 time / packed time): "
+              f"{extra['packed_vs_fp32']:.2f}")
+    if extra:
+        print(f"cpu: {extra['cpu']} (packed kernel: {extra['packed_kernel_simd']}), "
+              f"threads {args.num_threads}")
     if theirs:
         print(f"ratio pdserve/transformers: {res['ratio']:.2f}")
     print(f"ceiling fraction: {res['ceiling_fraction']:.2f}  (torch's fp32 matmul, GFLOP/s "

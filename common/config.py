@@ -13,6 +13,7 @@ from typing import Literal, Optional
 
 RopeScalingType = Literal["none", "linear", "llama3"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
+WEIGHTS_MODES = ("packed", "fp32")  # GGUF-quantized matrices kept packed, or expanded at load
 
 
 def _require(cond: bool, name: str, allowed: str, value) -> None:
@@ -95,6 +96,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_bytes: Optional[int] = None
     kv_cache_fraction: float = 0.25  # of free host memory, when kv_cache_bytes is None
+    memory_budget_bytes: Optional[int] = None  # weights + KV; the KV gets what weights leave
     num_blocks: Optional[int] = None  # overrides both (tests)
     enable_prefix_caching: bool = True
 
@@ -103,6 +105,10 @@ class CacheConfig:
                  "block_size", "a power of two", self.block_size)
         if self.kv_cache_bytes is not None:
             _require(self.kv_cache_bytes > 0, "kv_cache_bytes", "> 0", self.kv_cache_bytes)
+        if self.memory_budget_bytes is not None:
+            _require(self.memory_budget_bytes > 0 and self.kv_cache_bytes is None,
+                     "memory_budget_bytes", "> 0 and not given with kv_cache_bytes",
+                     self.memory_budget_bytes)
         _require(0 < self.kv_cache_fraction <= 0.95, "kv_cache_fraction", "in (0, 0.95]",
                  self.kv_cache_fraction)
         if self.num_blocks is not None:
@@ -170,6 +176,7 @@ class EngineConfig:
     attention_backend: AttentionBackendName = "auto"
     device: str = "cpu"
     cpu_gemm: str = "auto"  # auto | onednn | torch: how linears multiply on the CPU (cpu_gemm.py)
+    weights: str = "packed"  # packed | fp32: quantized GGUF matrices stay packed (models/quant)
     num_threads: Optional[int] = None  # torch threads (per rank); None -> torch's default
     seed: int = 0
     tiny_model_seed: int = 0  # for model == "tiny"
@@ -180,6 +187,7 @@ class EngineConfig:
                  "one of auto, torch, triton", self.attention_backend)
         _require(self.cpu_gemm in ("auto", "onednn", "torch"), "cpu_gemm",
                  "one of auto, onednn, torch", self.cpu_gemm)
+        _require(self.weights in WEIGHTS_MODES, "weights", "one of packed, fp32", self.weights)
         if self.num_threads is not None:
             _require(self.num_threads > 0, "num_threads", "> 0", self.num_threads)
         _require(self.device == "cpu" or self.device.startswith("cuda"), "device",

@@ -12,6 +12,8 @@ import logging
 import sys
 from typing import Optional
 
+from pdserve.common.engine.cli import add_weights_arg
+
 
 def add_subcommands(subparsers) -> None:
     up = subparsers.add_parser("up", help="start the whole stack (router + engines) locally")
@@ -93,6 +95,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU linears: oneDNN prepacked (auto when available) or torch's matmul")
     from pdserve.common.engine.cli import add_parallel_args
     add_parallel_args(p)
+    add_weights_arg(p)
 
 
 def _disagg_up_args(up: argparse.ArgumentParser) -> None:
@@ -151,7 +154,8 @@ def engine_argv(args, cpus: Optional[str] = None, threads: Optional[int] = None)
             "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--block-size", str(args.block_size), "--device", args.device,
-            "--attention-backend", args.attention_backend, "--cpu-gemm", args.cpu_gemm]
+            "--attention-backend", args.attention_backend, "--cpu-gemm", args.cpu_gemm,
+            "--weights", args.weights]
     from pdserve.common.engine.cli import parallel_argv
     argv += parallel_argv(args)
     if cpus:
@@ -188,7 +192,7 @@ def _run_engine(args) -> int:
         kv_store=args.kv_store, kv_transport=args.kv_transport, kv_lease_s=args.kv_lease,
         kv_load_timeout_s=args.kv_load_timeout, metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint, device=args.device,
-        attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm,
+        attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm, weights=args.weights,
         parallel=parallel_config(args))
     asyncio.run(run_engine_server(cfg))
     return 0

@@ -6,7 +6,8 @@ import argparse
 import json
 import logging
 
-from pdserve.common.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from pdserve.common.config import (WEIGHTS_MODES, CacheConfig, EngineConfig, ParallelConfig,
+                                  SchedulerConfig)
 from pdserve.common.sampling_params import SamplingParams
 
 
@@ -16,10 +17,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--cpu-gemm", choices=["auto", "onednn", "torch"], default="auto",
                    help="CPU linears: oneDNN prepacked (auto when available) or torch's matmul")
+    add_weights_arg(p)
     p.add_argument("--num-threads", type=int, default=2, help="torch threads")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--kv-cache-fraction", type=float, default=0.2)
+    p.add_argument("--memory-budget-bytes", type=int, default=None,
+                   help="weights + KV cache; the KV gets what the resident weights leave")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -55,12 +59,19 @@ def parallel_argv(args) -> list[str]:
             "--tp-all-reduce", args.tp_all_reduce]
 
 
+def add_weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", choices=WEIGHTS_MODES, default=EngineConfig.weights,
+                   help="packed: a GGUF's Q4_0/Q4_1/Q8_0 matrices stay packed in memory and "
+                   "multiply in fp32 (docs/packed-weights.md); fp32: expand them at load")
+
+
 def engine_config(args) -> EngineConfig:
     return EngineConfig(
         model=args.model, attention_backend=args.attention_backend, device=args.device,
-        cpu_gemm=args.cpu_gemm, num_threads=args.num_threads,
+        cpu_gemm=args.cpu_gemm, weights=args.weights, num_threads=args.num_threads,
         cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
                           kv_cache_fraction=args.kv_cache_fraction,
+                          memory_budget_bytes=args.memory_budget_bytes,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,

@@ -40,6 +40,7 @@ from pdserve.common.kv.block_pool import BlockPool
 from pdserve.common.kv.kv_cache_manager import KVCacheManager
 from pdserve.common.kv.memory import plan_kv_blocks
 from pdserve.common.models.cpu_gemm import resolve_cpu_gemm
+from pdserve.common.models.quant.footprint import loaded_weights_footprint
 from pdserve.common.models.registry import LoadedModel, load_model
 from pdserve.common.sampling_params import SamplingParams
 
@@ -57,7 +58,8 @@ class EngineCore:
         self.config = config
         tp_size = config.parallel.tensor_parallel_size
         given = loaded is not None
-        loaded = loaded or load_model(config.model, tiny_seed=config.tiny_model_seed)
+        loaded = loaded or load_model(config.model, tiny_seed=config.tiny_model_seed,
+                                      weights=config.weights)
         self.tokenizer = loaded.tokenizer
         self.model_config = cfg = loaded.config
         self.fingerprint = loaded.fingerprint
@@ -71,9 +73,12 @@ class EngineCore:
         if config.device != "cpu":  # the busiest rank holds the most KV heads
             per_token = per_token * kv_head_range(cfg.num_kv_heads, 0, tp_size)[1] \
                 // cfg.num_kv_heads
+        self.weights_footprint = loaded_weights_footprint(loaded.weights, tp_size == 1)
         plan = plan_kv_blocks(per_token, cc.block_size,
                               budget_bytes=cc.kv_cache_bytes, fraction=cc.kv_cache_fraction,
-                              num_blocks=cc.num_blocks, device=config.device)
+                              num_blocks=cc.num_blocks, device=config.device,
+                              memory_budget_bytes=cc.memory_budget_bytes,
+                              weights=self.weights_footprint)
         self.kv_plan = plan
         self.max_model_len = min(config.scheduler.max_model_len, cfg.max_position_embeddings,
                                  plan.num_tokens)

@@ -1,4 +1,10 @@
-"""KV memory planning: how many blocks a KV budget buys."""
+"""KV memory planning: how many blocks a KV budget buys.
+
+The budget is one of: an explicit block count; KV bytes; a total memory budget for weights and
+KV together, of which the KV gets what the model's resident weights leave (so weights kept
+packed, docs/packed-weights.md, leave more blocks in the same budget); or a fraction of the
+memory still free after the weights were loaded.
+"""
 
 from __future__ import annotations
 
@@ -43,6 +49,22 @@ def _cgroup_room(cgroup_dir: str) -> Optional[int]:
 
 
 @dataclass(frozen=True)
+class WeightsFootprint:
+    """Bytes the model's weights hold, and what the same weights take as fp32."""
+
+    resident_bytes: int
+    fp32_bytes: int
+
+    def __post_init__(self):
+        if self.resident_bytes < 0 or self.fp32_bytes < 0:
+            raise ValueError(f"weight bytes must be >= 0, got {self}")
+
+    def describe(self) -> str:
+        return (f"weights: {self.resident_bytes / 2**20:.1f} MiB resident "
+                f"({self.fp32_bytes / 2**20:.1f} MiB as fp32)")
+
+
+@dataclass(frozen=True)
 class KVPlan:
     num_blocks: int
     block_size: int
@@ -61,9 +83,18 @@ class KVPlan:
 
 def plan_kv_blocks(bytes_per_token: int, block_size: int, *, budget_bytes: Optional[int] = None,
                    fraction: float = 0.2, num_blocks: Optional[int] = None,
-                   device: str = "cpu") -> KVPlan:
-    """Number of blocks from an explicit count, a byte budget, or a fraction of free memory."""
+                   device: str = "cpu", memory_budget_bytes: Optional[int] = None,
+                   weights: Optional[WeightsFootprint] = None) -> KVPlan:
+    """Number of blocks from an explicit count, a KV byte budget, a total budget for weights
+    plus KV (`memory_budget_bytes` minus `weights.resident_bytes`), or a fraction of free
+    memory. Logs the weights' footprint (when given) beside the plan."""
     per_block = bytes_per_token * block_size
+    if weights is not None:
+        logger.info("%s", weights.describe())
+    if num_blocks is None and memory_budget_bytes is not None:
+        if budget_bytes is not None:
+            raise ValueError("give a KV byte budget or a total memory budget, not both")
+        budget_bytes = memory_budget_bytes - (weights.resident_bytes if weights else 0)
     if num_blocks is None:
         if budget_bytes is None:
             budget_bytes = int(available_memory_bytes(device) * fraction)

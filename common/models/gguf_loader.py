@@ -1,13 +1,20 @@
-"""Load a llama.cpp GGUF checkpoint as a `ModelConfig` plus fp32 weights under Hugging Face names.
+"""Load a llama.cpp GGUF checkpoint as a `ModelConfig` plus weights under Hugging Face names.
 
 The weights must equal what transformers builds from the same file (`from_pretrained(...,
 gguf_file=...)`), so we dequantize with the same library (`gguf.quants.dequantize`) and undo
 llama.cpp's Q/K row permutation exactly as transformers' `LlamaTensorProcessor` does.
+
+With `packed=True`, 2-D tensors of a type the packed kernels take (Q4_0, Q4_1, Q8_0:
+quant/packed.py) stay as their GGUF blocks (`PackedWeight`, rows permuted the same way; a
+packed block expands to exactly what `dequantize` returns). Every other type is dequantized to
+fp32 as before, and the types that fall back are logged once per file with the reason.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +23,9 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from pdserve.common.config import ModelConfig, RopeScaling
+from pdserve.common.models.quant.packed import PackedWeight, QType
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
@@ -33,21 +43,40 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read `path` and return its architecture and every weight as fp32 under HF names."""
+def load_gguf(path: str | Path, packed: bool = False
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor | PackedWeight]]:
+    """Read `path` and return its architecture and every weight under HF names: fp32 tensors,
+    or with `packed`, `PackedWeight`s for the 2-D tensors of a packable type."""
     reader = GGUFReader(str(path))
     config = config_from_gguf(reader, path)
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | PackedWeight] = {}
+    expanded: Counter[str] = Counter()
     for tensor in reader.tensors:
         hf_name = hf_tensor_name(tensor.name, path)
-        values = _dequantize(tensor, path)
-        if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_heads if ".q_proj." in hf_name else config.num_kv_heads
-            values = reverse_permute(values, heads)
-        weights[hf_name] = _to_torch(values)
+        qtype = QType.from_ggml(tensor.tensor_type) if packed else None
+        if qtype is not None and len(tensor.shape) == 2:
+            n, k = int(tensor.shape[1]), int(tensor.shape[0])
+            rows = np.asarray(tensor.data).reshape(n, -1)  # [N, row_bytes], rows whole
+            rows = _unpermute(config, hf_name, rows)
+            weights[hf_name] = PackedWeight.from_numpy(qtype, rows, k)
+            continue
+        if packed and len(tensor.shape) == 2 and tensor.tensor_type != GGMLQuantizationType.F32:
+            expanded[GGMLQuantizationType(tensor.tensor_type).name] += 1
+        weights[hf_name] = _to_torch(_unpermute(config, hf_name, _dequantize(tensor, path)))
+    if expanded:
+        logger.info("GGUF %s: expanded to fp32 at load (no packed kernel for the type): %s",
+                    Path(path).name, ", ".join(f"{n} x {t}" for t, n in sorted(expanded.items())))
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     return config, weights
+
+
+def _unpermute(config: ModelConfig, hf_name: str, rows: np.ndarray) -> np.ndarray:
+    """llama.cpp permutes Q/K rows; rows (fp32 values or whole packed rows) go back to HF's."""
+    if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config.num_heads if ".q_proj." in hf_name else config.num_kv_heads
+        return reverse_permute(rows, heads)
+    return rows
 
 
 def gguf_metadata(reader: GGUFReader) -> dict:

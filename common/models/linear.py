@@ -14,14 +14,26 @@ reordered once for oneDNN and the plain copy dropped; the layers then also fuse 
 into the GEMM as oneDNN post-ops (SiLU-and-mul for gate/up, the residual add for row-parallel
 outputs). Without packing the same methods run the unfused torch ops, with the same results up
 to fp32 rounding.
+
+GGUF-quantized weights may instead stay packed (quant/packed.py): `load_packed` takes each
+shard's blocks, `finish_loading` stacks them into one `packed_weight` and drops the fp32
+parameter, and forward multiplies through quant/gemm.py (blocks expanded to fp32 in registers,
+fp32 accumulation). A layer whose shards cannot all stay packed (mixed types, some shards fp32,
+tp_size > 1) expands the packed ones into its fp32 weight instead, so it always loads.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
 
 from pdserve.common.models.cpu_gemm import pack_weight, packed_linear, packed_linear_binary
+from pdserve.common.models.quant.gemm import packed_linear as quant_linear
+from pdserve.common.models.quant.packed import PackedWeight
+
+logger = logging.getLogger(__name__)
 
 
 def even_shard(size: int, tp_rank: int, tp_size: int, what: str) -> tuple[int, int]:
@@ -32,11 +44,58 @@ def even_shard(size: int, tp_rank: int, tp_size: int, what: str) -> tuple[int, i
     return tp_rank * n, n
 
 
-class ColumnParallelLinear(nn.Module):
+class _PackedLoading:
+    """Mixin: collect GGUF-packed shards while loading; stack them or expand them after.
+
+    Subclasses name their shard ids (`packed_shard_ids`) and provide `weight_loader`."""
+
+    packed_shard_ids: tuple = (None,)
+
+    def _init_packed(self) -> None:
+        self.packed_weight: PackedWeight | None = None
+        self._pending: dict = {}
+
+    def load_packed(self, w: PackedWeight, shard_id=None) -> None:
+        """Take shard `shard_id` of this layer as packed blocks (full, unsharded rows)."""
+        if shard_id not in self.packed_shard_ids:
+            raise ValueError(f"unknown shard {shard_id!r}")
+        if w.shape != self.full_shape(shard_id):
+            raise ValueError(f"packed shard {shard_id!r} has shape {w.shape}, expected "
+                             f"{self.full_shape(shard_id)}")
+        self._pending[shard_id] = w
+
+    def _apply(self, fn, recurse=True):  # .to(device) moves the packed bytes too
+        if self.packed_weight is not None:
+            self.packed_weight = self.packed_weight.apply(fn)
+        return super()._apply(fn, recurse)
+
+    def finish_loading(self) -> None:
+        """After every weight is loaded: one packed weight if all shards came packed in one
+        type (and tp_size == 1), else the packed shards expanded into the fp32 weight."""
+        pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        parts = [pending.get(s) for s in self.packed_shard_ids]
+        if (self.tp_size == 1 and all(p is not None for p in parts)
+                and len({(p.qtype, p.in_features) for p in parts}) == 1):
+            self.packed_weight = parts[0] if len(parts) == 1 else PackedWeight.cat(parts)
+            if tuple(self.packed_weight.shape) != tuple(self.weight.shape):
+                raise ValueError(f"packed weight has shape {self.packed_weight.shape}, "
+                                 f"expected {tuple(self.weight.shape)}")
+            self.weight = None  # a tied embedding keeps its own reference
+            return
+        logger.info("%s: shards %s expanded to fp32 (mixed types, fp32 shards or tp > 1)",
+                    type(self).__name__, sorted(map(str, pending)))
+        for shard_id, w in pending.items():
+            self.weight_loader(self.weight, w.dequantize(), shard_id)
+
+
+class ColumnParallelLinear(_PackedLoading, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         _, n = even_shard(out_features, tp_rank, tp_size, "out_features")
+        self.full_out = out_features
         self._setup(in_features, n, bias, tp_rank, tp_size)
 
     def _setup(self, in_features: int, local_out: int, bias: bool, tp_rank: int,
@@ -46,8 +105,11 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (nn.Parameter(torch.zeros(local_out), requires_grad=False)
                      if bias else None)
         self.packed: torch.Tensor | None = None  # oneDNN weight once pack_onednn() ran
+        self._init_packed()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return quant_linear(x, self.packed_weight, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
@@ -55,6 +117,13 @@ class ColumnParallelLinear(nn.Module):
     def pack_onednn(self) -> None:
         self.packed = pack_weight(self.weight.detach())
         self.weight = None  # a tied embedding keeps its own reference to the tensor
+
+    def full_shape(self, shard_id=None) -> tuple[int, int]:
+        """(out, in) of the unsharded weight (of one projection, for fused layers)."""
+        if shard_id is None:
+            return (self.full_out, self.weight.shape[1])
+        index = self.packed_shard_ids.index(shard_id)
+        return (self.out_sizes[index], self.weight.shape[1])
 
     def _shard(self, full: torch.Tensor) -> torch.Tensor:
         n = full.shape[0] // self.tp_size
@@ -75,6 +144,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                  shards: list[tuple[int, int]] | None = None):
         nn.Module.__init__(self)
         self.out_sizes = list(out_sizes)
+        self.full_out = sum(out_sizes)
+        self.packed_shard_ids = tuple(range(len(out_sizes)))
         self.shards = shards or [even_shard(s, tp_rank, tp_size, "out_features")
                                  for s in out_sizes]
         self._setup(in_features, sum(n for _, n in self.shards), bias, tp_rank, tp_size)
@@ -122,6 +193,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         kv = (first * head_dim, count * head_dim)
         shards = [(first * group * head_dim, count * group * head_dim), kv, kv]
         super().__init__(hidden, sizes, bias, tp_rank, tp_size, shards)
+        self.packed_shard_ids = ("q", "k", "v")
 
     def weight_loader(self, param, full, shard_id=None):
         super().weight_loader(param, full, {"q": 0, "k": 1, "v": 2}[shard_id])
@@ -130,7 +202,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         ColumnParallelLinear.pack_onednn(self)  # q, k and v stay one GEMM
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_PackedLoading, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1, comm=None,
                  in_shard: tuple[int, int] | None = None):
@@ -147,9 +219,13 @@ class RowParallelLinear(nn.Module):
         self.bias = (nn.Parameter(torch.zeros(out_features), requires_grad=False)
                      if bias else None)
         self.packed: torch.Tensor | None = None
+        self.full_in = in_features
+        self._init_packed()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in / tp] -> x W^T (summed over ranks) + bias (+ residual) [T, out]."""
+        if self.packed_weight is not None:  # only ever set with tp_size == 1
+            return quant_linear(x, self.packed_weight, self.bias, residual)
         lead = self.tp_rank == 0  # only one rank's partial sum carries bias and residual
         bias = self.bias if lead else None
         if self.packed is not None:
@@ -168,6 +244,9 @@ class RowParallelLinear(nn.Module):
     def pack_onednn(self) -> None:
         self.packed = pack_weight(self.weight.detach())
         self.weight = None
+
+    def full_shape(self, shard_id=None) -> tuple[int, int]:
+        return (self.weight.shape[0], self.full_in)
 
     def weight_loader(self, param, full, shard_id=None):
         if param.dim() == 1:  # bias is not sharded

@@ -18,6 +18,8 @@ from pdserve.common.distributed.layout import (SINGLE, TensorParallel, check_tp_
                                               kv_head_range)
 from pdserve.common.models.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                           RowParallelLinear)
+from pdserve.common.models.quant.embedding import PackedEmbedding
+from pdserve.common.models.quant.packed import PackedWeight
 from pdserve.common.models.rope import RotaryEmbedding
 from pdserve.common.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
@@ -150,8 +152,9 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] -> logits [N, vocab] (fp32) on rank 0; None on other ranks."""
         return self.lm_head.logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face named weights; every parameter must be covered exactly once."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
+        """Load Hugging Face named weights; every parameter must be covered exactly once.
+        `PackedWeight`s (GGUF blocks) stay packed in the linears and the embedding."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for hf_name, tensor in weights:
@@ -162,7 +165,15 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"unexpected weight {hf_name!r}")
             param = params[name]
-            loader = getattr(self.get_submodule(name.rsplit(".", 1)[0]), "weight_loader", None)
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(tensor, PackedWeight):
+                if self._load_packed(name, module, tensor, shard):
+                    loaded.update([name if shard is None else f"{name}:{shard}"]
+                                  + (["lm_head.weight"] if name == "embed_tokens.weight"
+                                     and self.config.tie_word_embeddings else []))
+                    continue
+                tensor = tensor.dequantize()
+            loader = getattr(module, "weight_loader", None)
             tensor = tensor.to(param.dtype)
             if loader is not None:
                 loader(param, tensor, shard)
@@ -173,6 +184,28 @@ class LlamaForCausalLM(nn.Module):
                 param.data.copy_(tensor)
             loaded.add(name if shard is None else f"{name}:{shard}")
         self._check_complete(loaded)
+        for m in self.modules():
+            if hasattr(m, "finish_loading"):
+                m.finish_loading()
+
+    def _load_packed(self, name: str, module: nn.Module, w: PackedWeight, shard) -> bool:
+        """Keep `w` packed where a module can use it; False: load it as fp32 instead (tensor
+        parallel ranks take fp32 shards: the vocabulary-parallel embedding and head split rows
+        that packed blocks do not)."""
+        if self.tp.size > 1:
+            return False
+        if name == "embed_tokens.weight":
+            if w.shape != tuple(self.embed_tokens.weight.shape):
+                raise ValueError(f"weight {name!r} has shape {w.shape}, expected "
+                                 f"{tuple(self.embed_tokens.weight.shape)}")
+            self.embed_tokens = PackedEmbedding(w)
+            if self.config.tie_word_embeddings:  # the head multiplies by the same blocks
+                self.lm_head.load_packed(w)
+            return True
+        if hasattr(module, "load_packed"):
+            module.load_packed(w, shard)
+            return True
+        return False
 
     def _check_complete(self, loaded: set[str]) -> None:
         expected = set()

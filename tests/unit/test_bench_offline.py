@@ -33,3 +33,11 @@ def test_bench_offline_tiny_prints_one_json_line_with_ratios():
     # ideal time (fraction x our time) x ceiling rate = the output tokens (3 prompts x 5)
     assert res["ceiling_fraction"] * res["pdserve_s"] * res["ceiling_output_tok_s"] == \
         pytest.approx(3 * 5)
+    # --weights both (default): both engines timed, ratio and footprints reported; the tiny
+    # model has no quantized matrix, so both hold the same fp32 weights and KV blocks
+    assert res["weights"] == ["packed", "fp32"] and res["cpu"]
+    by = res["by_weights"]
+    assert res["packed_vs_fp32"] == by["fp32"]["s"] / by["packed"]["s"]
+    assert res["pdserve_s"] == by["packed"]["s"]
+    assert by["packed"]["weights_resident_mib"] == by["fp32"]["weights_resident_mib"] > 0
+    assert by["packed"]["kv_blocks_for_budget"] == by["fp32"]["kv_blocks_for_budget"] > 0

@@ -1,0 +1,357 @@
+// Packed-weight GEMM for GGUF block-quantized weights (Q4_0, Q4_1, Q8_0), exact fp32 arithmetic:
+//   packed_gemm   out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) (+ residual[m, n])
+//   dequantize    the fp32 rows of a packed weight (for large-M GEMMs and embedding lookups)
+// Each block of 32 weights is expanded to fp32 in registers exactly as gguf-py's dequantize
+// computes it (fp16 scale and min widened to fp32; the products d * q are exact in fp32, so
+// fma(d, q, m) rounds once, like numpy's (d * q) + m), then multiplied with fp32 activations and
+// accumulated in fp32. The result equals the dequantized-fp32 GEMM up to summation order; the
+// activations are never quantized (llama.cpp's Q8_1 activations change the answer).
+//
+// Layout: the weight is [N, row_bytes] uint8, each row its K / 32 blocks back to back, as in the
+// GGUF file (GGML type ids: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8).
+//   Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles; w[i] = d * (q[i] - 8)
+//   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; w[i] = d * q[i] + m
+//   Q8_0 (34 bytes): fp16 d, 32 int8; w[i] = d * q[i]
+// Nibble order: byte j holds element j (low nibble) and element j + 16 (high nibble).
+//
+// ISA: AVX-512 (16 lanes), AVX2 + FMA (8 lanes) or plain C++, chosen at build time by the
+// compile flags (quant/cpu_native.py). Threads: at::parallel_for over output rows (OpenMP).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int QK = 32;  // weights per block
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+
+constexpr int64_t block_bytes(int64_t qt) {
+  return qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ8_0 ? 34 : 0;
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+// Scalar expansion of one block into w[32]; the reference every vector variant matches.
+template <int64_t QT>
+inline void expand_scalar(const uint8_t* b, float* w) {
+  const float d = half_at(b);
+  if constexpr (QT == kQ4_0) {
+    for (int j = 0; j < 16; ++j) {
+      w[j] = d * static_cast<float>((b[2 + j] & 0x0F) - 8);
+      w[j + 16] = d * static_cast<float>((b[2 + j] >> 4) - 8);
+    }
+  } else if constexpr (QT == kQ4_1) {
+    const float m = half_at(b + 2);
+    for (int j = 0; j < 16; ++j) {
+      w[j] = std::fma(d, static_cast<float>(b[4 + j] & 0x0F), m);
+      w[j + 16] = std::fma(d, static_cast<float>(b[4 + j] >> 4), m);
+    }
+  } else {
+    for (int j = 0; j < QK; ++j) w[j] = d * static_cast<float>(static_cast<int8_t>(b[2 + j]));
+  }
+}
+
+#if defined(__AVX512F__)
+constexpr int VL = 16;
+using vec = __m512;
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+inline vec u8_to_f(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)); }
+
+template <int64_t QT>
+inline void expand(const uint8_t* b, vec* w) {  // 2 vectors
+  const vec d = _mm512_set1_ps(half_at(b));
+  if constexpr (QT == kQ8_0) {
+    for (int j = 0; j < 2; ++j) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * j));
+      w[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+    }
+  } else {
+    const uint8_t* qs = b + (QT == kQ4_1 ? 4 : 2);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const vec lo = u8_to_f(_mm_and_si128(q, mask));
+    const vec hi = u8_to_f(_mm_and_si128(_mm_srli_epi16(q, 4), mask));
+    if constexpr (QT == kQ4_1) {
+      const vec m = _mm512_set1_ps(half_at(b + 2));
+      w[0] = _mm512_fmadd_ps(d, lo, m);
+      w[1] = _mm512_fmadd_ps(d, hi, m);
+    } else {
+      const vec eight = _mm512_set1_ps(8.f);
+      w[0] = _mm512_mul_ps(d, _mm512_sub_ps(lo, eight));
+      w[1] = _mm512_mul_ps(d, _mm512_sub_ps(hi, eight));
+    }
+  }
+}
+#define PDSERVE_SIMD "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int VL = 8;
+using vec = __m256;
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline float vsum(vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vec u8_to_f(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)); }
+
+template <int64_t QT>
+inline void expand(const uint8_t* b, vec* w) {  // 4 vectors
+  const vec d = _mm256_set1_ps(half_at(b));
+  if constexpr (QT == kQ8_0) {
+    for (int j = 0; j < 4; ++j) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j));
+      w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
+  } else {
+    const uint8_t* qs = b + (QT == kQ4_1 ? 4 : 2);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(q, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+    const vec e[4] = {u8_to_f(lo), u8_to_f(_mm_srli_si128(lo, 8)), u8_to_f(hi),
+                      u8_to_f(_mm_srli_si128(hi, 8))};
+    if constexpr (QT == kQ4_1) {
+      const vec m = _mm256_set1_ps(half_at(b + 2));
+      for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(d, e[j], m);
+    } else {
+      const vec eight = _mm256_set1_ps(8.f);
+      for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(d, _mm256_sub_ps(e[j], eight));
+    }
+  }
+}
+#define PDSERVE_SIMD "avx2"
+#else
+#define PDSERVE_SIMD "scalar"
+#endif
+
+struct Gemm {
+  const float* x;  // [M, K], row stride sx
+  int64_t sx, M, K;
+  const uint8_t* w;  // [N, row_bytes]
+  int64_t row_bytes;
+  const float* bias;  // [N] or null
+  const float* res;   // [M, N] (row stride sr) or null
+  int64_t sr;
+  float* out;  // [M, N] contiguous
+  int64_t N;
+
+  inline void store(int64_t m, int64_t n, float s) const {
+    if (bias) s += bias[n];
+    if (res) s += res[m * sr + n];
+    out[m * N + n] = s;
+  }
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr int NV = QK / VL;  // vectors per block
+constexpr int MT = VL == 16 ? 4 : 2;  // activation rows per register tile (acc = MT * NV regs)
+
+// Rows m0 .. m0 + R of output column n: each block expanded once per tile of R rows; NV
+// independent accumulators per row, so the FMA chains overlap.
+template <int64_t QT, int R>
+inline void dot_tile(const Gemm& g, int64_t n, int64_t m0) {
+  vec acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = vzero();
+  const uint8_t* wr = g.w + n * g.row_bytes;
+  const int64_t nb = g.K / QK;
+  const int64_t bb = block_bytes(QT);
+  for (int64_t b = 0; b < nb; ++b) {
+    vec w[NV];
+    expand<QT>(wr + b * bb, w);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = g.x + (m0 + r) * g.sx + b * QK;
+      for (int j = 0; j < NV; ++j) acc[r][j] = vfma(w[j], vload(xr + j * VL), acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    vec s = acc[r][0];
+    for (int j = 1; j < NV; ++j) s = vadd(s, acc[r][j]);
+    g.store(m0 + r, n, vsum(s));
+  }
+}
+
+
+template <int64_t QT>
+void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + MT <= g.M; m += MT) dot_tile<QT, MT>(g, n, m);
+    for (; m < g.M; ++m) dot_tile<QT, 1>(g, n, m);
+  }
+}
+
+template <int64_t QT>
+void expand_row(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    vec w[NV];
+    expand<QT>(row + b * block_bytes(QT), w);
+    for (int j = 0; j < NV; ++j) vstore(out + b * QK + j * VL, w[j]);
+  }
+}
+#else
+// Plain C++: each block expanded to a float[32] (the compiler vectorizes what it can).
+template <int64_t QT>
+void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
+  float w[QK];
+  const int64_t nb = g.K / QK;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = g.w + n * g.row_bytes;
+    for (int64_t m = 0; m < g.M; ++m) {
+      float acc[QK] = {};
+      const float* xr = g.x + m * g.sx;
+      for (int64_t b = 0; b < nb; ++b) {
+        expand_scalar<QT>(wr + b * block_bytes(QT), w);
+        for (int j = 0; j < QK; ++j) acc[j] += w[j] * xr[b * QK + j];
+      }
+      float s = 0.f;
+      for (int j = 0; j < QK; ++j) s += acc[j];
+      g.store(m, n, s);
+    }
+  }
+}
+
+template <int64_t QT>
+void expand_row(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / QK; ++b) expand_scalar<QT>(row + b * block_bytes(QT), out + b * QK);
+}
+#endif
+
+void check_weight(const char* what, const at::Tensor& w, int64_t qtype, int64_t K) {
+  TORCH_CHECK_VALUE(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, what,
+                    ": qtype must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", qtype);
+  TORCH_CHECK_VALUE(K > 0 && K % QK == 0, what, ": K must be a positive multiple of 32, got ", K);
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                        w.device().is_cpu() && w.size(1) == K / QK * block_bytes(qtype),
+                    what, ": weight must be contiguous uint8 CPU [N, K / 32 * ",
+                    block_bytes(qtype), "], got ", w.sizes());
+}
+
+template <typename F>
+void dispatch(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case kQ4_0: f(std::integral_constant<int64_t, kQ4_0>{}); break;
+    case kQ4_1: f(std::integral_constant<int64_t, kQ4_1>{}); break;
+    default: f(std::integral_constant<int64_t, kQ8_0>{}); break;
+  }
+}
+
+}  // namespace
+
+// x [M, K] fp32 (unit column stride; rows may be strided), w [N, K / 32 * block_bytes] uint8,
+// bias [N] fp32 or None, residual [M, N] fp32 (unit column stride) or None -> [M, N] fp32.
+at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
+                       const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
+                        (x.stride(1) == 1 || x.size(1) <= 1),
+                    "packed_gemm: x must be float32 CPU [M, K] with unit column stride, got ",
+                    x.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = w.dim() == 2 ? w.size(0) : -1;
+  check_weight("packed_gemm", w, qtype, K);
+  Gemm g{x.data_ptr<float>(), x.stride(0), M, K, w.data_ptr<uint8_t>(), w.size(1),
+         nullptr, nullptr, 0, nullptr, N};
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                          bias->device().is_cpu() && bias->numel() == N,
+                      "packed_gemm: bias must be contiguous float32 CPU [N]");
+    g.bias = bias->data_ptr<float>();
+  }
+  if (residual.has_value() && residual->defined()) {
+    const at::Tensor& r = *residual;
+    TORCH_CHECK_VALUE(r.dim() == 2 && r.size(0) == M && r.size(1) == N &&
+                          r.scalar_type() == at::kFloat && r.device().is_cpu() &&
+                          (r.stride(1) == 1 || N <= 1),
+                      "packed_gemm: residual must be float32 CPU [M, N] with unit column "
+                      "stride, got ", r.sizes());
+    g.res = r.data_ptr<float>();
+    g.sr = r.stride(0);
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  g.out = out.data_ptr<float>();
+  if (M == 0 || N == 0) return out;
+  // enough rows per task to amortize scheduling, few enough that both threads stay busy
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, N / (8 * at::get_num_threads())));
+  dispatch(qtype, [&](auto qt) {
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      gemm_columns<decltype(qt)::value>(g, n0, n1);
+    });
+  });
+  return out;
+}
+
+// w [N, K / 32 * block_bytes] uint8 -> fp32 [R, K]: rows n0 .. n1 of the weight, or the rows
+// listed in `rows` (int64, each checked in [0, N)) when given.
+at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t n0, int64_t n1,
+                      const c10::optional<at::Tensor>& rows) {
+  check_weight("dequantize", w, qtype, K);
+  const int64_t N = w.size(0);
+  const int64_t* ids = nullptr;
+  int64_t R;
+  if (rows.has_value() && rows->defined()) {
+    TORCH_CHECK_VALUE(rows->dim() == 1 && rows->scalar_type() == at::kLong &&
+                          rows->is_contiguous() && rows->device().is_cpu(),
+                      "dequantize: rows must be contiguous int64 CPU [R]");
+    ids = rows->data_ptr<int64_t>();
+    R = rows->numel();
+    for (int64_t i = 0; i < R; ++i)
+      TORCH_CHECK_INDEX(ids[i] >= 0 && ids[i] < N, "dequantize: row ", ids[i],
+                        " out of range [0, ", N, ")");
+  } else {
+    TORCH_CHECK_VALUE(0 <= n0 && n0 <= n1 && n1 <= N, "dequantize: rows [", n0, ", ", n1,
+                      ") out of range [0, ", N, "]");
+    R = n1 - n0;
+  }
+  at::Tensor out = at::empty({R, K}, w.options().dtype(at::kFloat));
+  const uint8_t* base = w.data_ptr<uint8_t>();
+  const int64_t rb = w.size(1);
+  float* o = out.data_ptr<float>();
+  dispatch(qtype, [&](auto qt) {
+    at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        expand_row<decltype(qt)::value>(base + (ids ? ids[r] : n0 + r) * rb, K, o + r * K);
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  auto release = [] { return py::call_guard<py::gil_scoped_release>(); };
+  m.def("packed_gemm", &packed_gemm, "x @ W^T (+ bias) (+ residual), W GGUF-packed (CPU, fp32)",
+        release(), py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none(),
+        py::arg("residual") = py::none());
+  m.def("dequantize", &dequantize, "fp32 rows of a GGUF-packed weight (CPU)", release(),
+        py::arg("w"), py::arg("qtype"), py::arg("k"), py::arg("n0") = 0, py::arg("n1") = 0,
+        py::arg("rows") = py::none());
+  m.attr("simd") = PDSERVE_SIMD;
+}

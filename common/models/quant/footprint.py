@@ -1,0 +1,63 @@
+"""How many bytes a loaded model's weights hold, packed or not (for the memory plan)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.common.kv.memory import WeightsFootprint
+from pdserve.common.models.quant.packed import PackedWeight
+
+
+def weights_footprint(model: nn.Module) -> WeightsFootprint:
+    """Resident bytes of every parameter, GGUF-packed weight (`packed_weight`) and oneDNN
+    prepacked weight (`packed`, `packed_shards`: cpu_gemm.py), each storage counted once (a tied
+    head shares the embedding's), beside the bytes all of them take as fp32."""
+    seen: set[int] = set()
+    resident = fp32 = 0
+
+    def count(t: torch.Tensor, as_fp32: int) -> None:
+        nonlocal resident, fp32
+        key = id(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
+        if key in seen:
+            return
+        seen.add(key)
+        resident += t.numel() * t.element_size()
+        fp32 += as_fp32
+
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if p is not None:
+                count(p, p.numel() * 4)
+        w = getattr(module, "packed_weight", None)
+        if isinstance(w, PackedWeight):
+            count(w.data, w.fp32_nbytes)
+        onednn = [getattr(module, "packed", None)] + [
+            t for t, _ in (getattr(module, "packed_shards", None) or [])]
+        for t in onednn:
+            if isinstance(t, torch.Tensor):
+                count(t, t.numel() * 4)
+    return WeightsFootprint(resident, fp32)
+
+
+def loaded_weights_footprint(weights: dict, packed_stays_packed: bool = True
+                             ) -> WeightsFootprint:
+    """The same count from the loaded checkpoint, before any model is built (the KV plan comes
+    first: the executor allocates each rank's model and KV caches together). A PackedWeight
+    counts packed when it stays packed (`packed_stays_packed`: false under tensor parallelism,
+    where every shard is expanded); a fused layer whose shards mix types is expanded by the
+    model but counted packed here, so the estimate can run a few MB low for such files."""
+    seen: set[int] = set()
+    resident = fp32 = 0
+    for w in weights.values():
+        data = w.data if isinstance(w, PackedWeight) else w
+        key = data.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        as_fp32 = w.fp32_nbytes if isinstance(w, PackedWeight) else w.numel() * 4
+        packed = isinstance(w, PackedWeight) and packed_stays_packed
+        resident += data.numel() * data.element_size() if packed or not isinstance(
+            w, PackedWeight) else as_fp32
+        fp32 += as_fp32
+    return WeightsFootprint(resident, fp32)

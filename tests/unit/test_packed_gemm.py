@@ -1,0 +1,98 @@
+"""Packed GGUF weights (Q4_0, Q4_1, Q8_0): expansion equals gguf-py's dequantize bit for bit, and
+x @ W^T on every path equals the dequantized fp32 GEMM up to summation order.
+
+The reference is `gguf.quants.dequantize` (what the fp32 path loads and transformers uses) and
+torch's fp32 matmul in float64 (so the tolerance only has to cover our summation order). Odd M
+and N cover the kernels' row tiles and tails; K = 32 is a single block.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.common.models.quant import gemm
+from pdserve.common.models.quant.cpu_native import load_packed_kernels
+from pdserve.common.models.quant.packed import PackedWeight, QType
+from pdserve.tests.unit.packed_helpers import make_weight, reference, tol
+
+torch.set_num_threads(2)
+QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0]
+SHAPES = [(1, 1, 32), (1, 7, 64), (3, 33, 96), (5, 64, 576), (17, 130, 320), (40, 1100, 64)]
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_torch_expansion_is_bit_identical_to_gguf(qtype):
+    w, ref = make_weight(qtype, 37, 320)
+    assert torch.equal(w.dequantize(), ref)
+    rows = torch.tensor([36, 0, 5, 5])
+    assert torch.equal(w.dequantize(rows), ref[rows])
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_native_expansion_is_bit_identical_to_gguf(qtype):
+    native = load_packed_kernels()
+    assert native is not None, "the packed kernels must build on this machine"
+    w, ref = make_weight(qtype, 37, 320)
+    assert torch.equal(native.dequantize(w.data, int(qtype), 320, 0, 37), ref)
+    assert torch.equal(native.dequantize(w.data, int(qtype), 320, 3, 9), ref[3:9])
+    rows = torch.tensor([36, 0, 5, 5])
+    assert torch.equal(native.dequantize(w.data, int(qtype), 320, rows=rows), ref[rows])
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=lambda s: str(s))
+def test_native_kernel_matches_fp32_gemm(qtype, m, n, k):
+    native = load_packed_kernels()
+    w, ref = make_weight(qtype, n, k, seed=m + n)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=g)
+    bias, residual = torch.randn(n, generator=g), torch.randn(m, n, generator=g)
+    torch.testing.assert_close(native.packed_gemm(x, w.data, int(qtype)), reference(x, ref),
+                               **tol(k))
+    torch.testing.assert_close(native.packed_gemm(x, w.data, int(qtype), bias, residual),
+                               reference(x, ref, bias, residual), **tol(k))
+
+
+def test_native_kernel_takes_row_strided_views():
+    native = load_packed_kernels()
+    w, ref = make_weight(QType.Q4_1, 24, 64)
+    wide = torch.randn(6, 160)
+    x, residual = wide[:, 32:96], torch.randn(6, 40)[:, 8:32]  # row strides 160 and 40
+    torch.testing.assert_close(native.packed_gemm(x, w.data, 3, None, residual),
+                               reference(x, ref, residual=residual), **tol(64))
+
+
+@pytest.mark.parametrize("m", [gemm.LARGE_M - 1, gemm.LARGE_M, 70])
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_dispatch_both_sides_of_the_switch(monkeypatch, qtype, m):
+    monkeypatch.setattr(gemm, "TILE_ROWS", 64)  # the large-M path also tiles N = 150
+    w, ref = make_weight(qtype, 150, 96)
+    g = torch.Generator().manual_seed(m)
+    x, bias, residual = torch.randn(m, 96, generator=g), torch.randn(150), torch.randn(m, 150)
+    torch.testing.assert_close(gemm.packed_linear(x, w, bias, residual),
+                               reference(x, ref, bias, residual), **tol(96))
+
+
+def test_torch_fallback_without_native(monkeypatch):
+    monkeypatch.setattr(gemm, "load_packed_kernels", lambda: None)
+    w, ref = make_weight(QType.Q4_0, 20, 64)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(gemm.packed_linear(x, w), reference(x, ref), **tol(64))
+
+
+def test_bad_inputs_are_value_errors():
+    native = load_packed_kernels()
+    w, _ = make_weight(QType.Q8_0, 8, 64)
+    with pytest.raises(ValueError, match="qtype"):
+        native.packed_gemm(torch.randn(2, 64), w.data, 12)
+    with pytest.raises(ValueError, match="weight"):
+        native.packed_gemm(torch.randn(2, 96), w.data, 8)  # K disagrees with the row bytes
+    with pytest.raises(ValueError, match="residual"):
+        native.packed_gemm(torch.randn(2, 64), w.data, 8, None, torch.randn(3, 8))
+    with pytest.raises(IndexError, match="out of range"):
+        native.dequantize(w.data, 8, 64, rows=torch.tensor([8]))
+    with pytest.raises(ValueError, match="x must be"):
+        gemm.packed_linear(torch.randn(2, 32), w)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        PackedWeight(QType.Q8_0, torch.zeros(2, 34, dtype=torch.uint8), 33)

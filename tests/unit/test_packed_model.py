@@ -1,0 +1,129 @@
+"""A small GGUF with Q4_0 / Q4_1 / Q8_0 matrices (and a type without a packed kernel) through the
+loader and the engine with --weights packed vs fp32: the packed blocks expand to exactly the fp32
+weights (Q/K rows un-permuted alike), fused layers stay packed only when all their shards can,
+the fingerprint is the same, and greedy tokens are equal with logprobs equal up to summation
+order. One long prompt crosses quant.gemm.LARGE_M, so both CPU paths run."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.common.engine.llm import LLM
+from pdserve.common.models.gguf_loader import load_gguf
+from pdserve.common.models.quant import gemm
+from pdserve.common.models.quant.embedding import PackedEmbedding
+from pdserve.common.models.quant.packed import PackedWeight, QType
+from pdserve.common.models.registry import LoadedModel, expand_weights, model_fingerprint
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.tokenizer import Tokenizer
+
+H, HEADS, KV_HEADS, INTER, VOCAB = 64, 4, 2, 96, 320
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def storage_type(name: str) -> QT:
+    """Layer 0 all Q4_0; layer 1 Q4_1 but v in Q8_0 (mixed qkv) and down in Q5_0 (no kernel)."""
+    if "layers.0." in name:
+        return QT.Q4_0
+    if "layers.1." in name:
+        return {"v_proj": QT.Q8_0, "down_proj": QT.Q5_0}.get(name.split(".")[-2], QT.Q4_1)
+    return QT.Q8_0  # embedding and LM head
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp's, which the loader undoes
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def write_gguf(path, tied: bool) -> None:
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    for fn, v in (("add_block_count", 2), ("add_context_length", 256),
+                  ("add_embedding_length", H), ("add_feed_forward_length", INTER),
+                  ("add_head_count", HEADS), ("add_head_count_kv", KV_HEADS),
+                  ("add_layer_norm_rms_eps", 1e-5), ("add_vocab_size", VOCAB)):
+        getattr(w, fn)(v)
+
+    def add(gguf_name, hf_name, shape, heads=0):
+        values = (rng.standard_normal(shape) * shape[1] ** -0.5).astype(np.float32)
+        values = permute(values, heads) if heads else values
+        qt = storage_type(hf_name)
+        w.add_tensor(gguf_name, gguf.quants.quantize(values, qt), raw_dtype=qt)
+
+    add("token_embd.weight", "model.embed_tokens.weight", (VOCAB, H))
+    if not tied:
+        add("output.weight", "lm_head.weight", (VOCAB, H))
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
+    kv = KV_HEADS * H // HEADS
+    shapes = {"self_attn.q_proj": (H, H), "self_attn.k_proj": (kv, H),
+              "self_attn.v_proj": (kv, H), "self_attn.o_proj": (H, H),
+              "mlp.gate_proj": (INTER, H), "mlp.up_proj": (INTER, H), "mlp.down_proj": (H, INTER)}
+    for i in range(2):
+        for module, shape in shapes.items():
+            heads = {"self_attn.q_proj": HEADS, "self_attn.k_proj": KV_HEADS}.get(module, 0)
+            add(f"blk.{i}.{GGUF_NAMES[module]}.weight", f"model.layers.{i}.{module}.weight",
+                shape, heads)
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight",
+                         (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def engine(path, packed: bool) -> LLM:
+    config, weights = load_gguf(path, packed=packed)
+    loaded = LoadedModel(config, weights, Tokenizer.tiny(), model_fingerprint(config, weights))
+    return LLM(EngineConfig(model="tiny", num_threads=2, cache=CacheConfig(num_blocks=64),
+                            scheduler=SchedulerConfig(max_num_batched_tokens=64)), loaded=loaded)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_packed_blocks_expand_to_the_fp32_weights(tmp_path, tied):
+    write_gguf(tmp_path / "m.gguf", tied)
+    config, packed = load_gguf(tmp_path / "m.gguf", packed=True)
+    _, fp32 = load_gguf(tmp_path / "m.gguf")
+    assert set(packed) == set(fp32)
+    kinds = {n: (w.qtype if isinstance(w, PackedWeight) else None) for n, w in packed.items()}
+    assert kinds["model.layers.0.self_attn.q_proj.weight"] == QType.Q4_0
+    assert kinds["model.layers.1.self_attn.v_proj.weight"] == QType.Q8_0
+    assert kinds["model.layers.1.mlp.down_proj.weight"] is None  # Q5_0: expanded at load
+    expanded = expand_weights(packed)
+    for name in fp32:
+        assert torch.equal(expanded[name], fp32[name]), name
+    assert model_fingerprint(config, packed) == model_fingerprint(config, fp32)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_engine_packed_equals_fp32(tmp_path, tied):
+    write_gguf(tmp_path / "m.gguf", tied)
+    ours, ref = engine(tmp_path / "m.gguf", True), engine(tmp_path / "m.gguf", False)
+    model = ours.engine.model
+    layer0, layer1 = model.layers
+    assert layer0.self_attn.qkv_proj.packed_weight.qtype == QType.Q4_0
+    assert layer0.mlp.gate_up_proj.packed_weight.shape == (2 * INTER, H)
+    assert layer1.self_attn.qkv_proj.packed_weight is None  # Q4_1 q/k with a Q8_0 v
+    qkv1 = layer1.self_attn.qkv_proj
+    assert qkv1.weight is not None or qkv1.packed is not None  # fp32 (oneDNN-packed or plain)
+    assert layer1.mlp.down_proj.packed_weight is None and layer1.mlp.gate_up_proj.packed_weight
+    assert isinstance(model.embed_tokens, PackedEmbedding)
+    assert (model.lm_head.packed_weight is model.embed_tokens.packed_weight) == tied
+    fp, fp_ref = ours.engine.weights_footprint, ref.engine.weights_footprint
+    assert fp.fp32_bytes == sum(w.numel() * 4 for w in expand_weights(
+        load_gguf(tmp_path / "m.gguf")[1]).values())  # each weight once, as fp32
+    assert fp.resident_bytes < 0.5 * fp_ref.resident_bytes
+    long_prompt = [(7 * i) % (VOCAB - 1) + 1 for i in range(gemm.LARGE_M + 9)]
+    prompts = [[3, 17, 42, 99, 5], long_prompt]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    for a, b in zip(ours.generate(prompts, params), ref.generate(prompts, params)):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
