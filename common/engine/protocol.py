@@ -1,4 +1,4 @@
-"""The engine interface the services drive (services/common/async_engine.py and friends).
+"""The engine interface the services drive (services/engine_host/async_engine.py and friends).
 
 `EngineCore` implements it, and so does the services' test fake (tests/unit/fake_engine.py), so
 the services never need to look inside an engine. All methods are called from one thread (the

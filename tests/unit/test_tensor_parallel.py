@@ -147,8 +147,8 @@ def test_a_dead_worker_makes_the_service_engine_unhealthy():
     import asyncio
 
     from pdserve.common.rpc import engine_pb2 as pb
-    from pdserve.services.common.async_engine import AsyncEngine, EngineDeadError
-    from pdserve.services.common.health import InstanceInfo, health_response
+    from pdserve.services.engine_host.async_engine import AsyncEngine, EngineDeadError
+    from pdserve.services.engine_host.health import InstanceInfo, health_response
 
     core = EngineCore(engine_config(2, num_blocks=64, budget=64), load_model("tiny"))
     (proc,) = core.executor.workers.procs
