@@ -37,6 +37,7 @@ import torch
 from pdserve.common.config import EngineConfig, ModelConfig
 from pdserve.common.distributed.worker import WorkerSpec
 from pdserve.common.engine.model_runner import LayerDone, ModelRunner
+from pdserve.common.engine.protocol import EngineFatalError
 from pdserve.common.engine.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ _STOP_WAIT_S = 5.0
 _DEATH_GRACE_S = 1.0  # after a failed step: time for a dying worker to show as dead
 
 
-class WorkerDiedError(RuntimeError):
+class WorkerDiedError(EngineFatalError):
     """A tensor-parallel worker died or failed; the engine cannot go on."""
 
 

@@ -16,6 +16,11 @@ from pdserve.common.engine.request import Request
 from pdserve.common.sampling_params import SamplingParams
 
 
+class EngineFatalError(RuntimeError):
+    """A step failed in a way the engine cannot recover from (a tensor-parallel rank is gone):
+    the engine is dead, unlike an ordinary step error, which fails only that step's batch."""
+
+
 class EngineClient(Protocol):
     tokenizer: object  # encode / decode / encode_chat / eos_token_ids / vocab_size
     max_model_len: int
@@ -32,7 +37,8 @@ class EngineClient(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step. Raises when the engine is broken (e.g. a worker died)."""
+        """One scheduler step. EngineFatalError when the engine is broken (a worker died); any
+        other exception fails only this step's batch (the caller aborts it and goes on)."""
 
     def stats(self) -> EngineStats: ...
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pdserve.common.engine.kv_transfer import KVTransferParams
+from pdserve.common.engine.protocol import EngineFatalError
 from pdserve.common.engine.outputs import EngineStats, FinishReason, RequestOutput
 from pdserve.common.engine.protocol import EngineClient
 from pdserve.common.sampling_params import SamplingParams
@@ -134,6 +135,8 @@ class AsyncEngine:
                     t0 = time.time_ns()
                     try:
                         outputs = self.core.step()
+                    except EngineFatalError:
+                        raise  # the engine cannot go on (a rank is gone): end the loop below
                     except Exception as exc:  # one bad batch must not end the engine
                         self._step_failed(exc)
                         continue

@@ -158,13 +158,15 @@ POISON = [311, 311, 311]
 def _poison_runner(core):
     """A model step that raises (as a sampler bug would) whenever a request with the poison
     prompt is in the batch."""
-    execute = core.runner.execute
+    execute = core.executor.execute_model
 
-    def guarded(scheduled):
-        if any(list(req.prompt_token_ids[:3]) == POISON for req, _ in scheduled):
+    def guarded(out, layer_done=None):
+        poisoned = {rid for rid in (c.request_id for c in out.chunks)
+                    if list(core.get_request(rid).prompt_token_ids[:3]) == POISON}
+        if poisoned:
             raise IndexError("index 1000000000 is out of bounds for dimension 1 with size 320")
-        return execute(scheduled)
-    core.runner.execute = guarded
+        return execute(out, layer_done)
+    core.executor.execute_model = guarded
 
 
 def test_a_step_that_raises_fails_its_batch_only(engine):
