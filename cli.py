@@ -13,6 +13,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serving(sub)  # up, serve
     from pdserve.common.engine.cli import add_generate_subcommand
     add_generate_subcommand(sub)
+    from pdserve.services.cli_certs import add_certs_subcommand
+    add_certs_subcommand(sub)
     bench = sub.add_parser("bench", help="benchmarks; each ends with one JSON line")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from pdserve.bench.offline import add_offline_subcommand

@@ -14,48 +14,52 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pdserve.services.common.tls_args import tls_argv
 from pdserve.services.launcher import Child, Step, engine_serving, free_port, http_ok
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = [sys.executable, "-m", "pdserve.services.cli_serve", "serve"]
 
 
-def plan_stack(args, log_dir: Path) -> tuple[list[Step], str]:
-    """(the services in start order, the endpoints banner)."""
+def plan_stack(args, log_dir: Path, tls_dir: str = "") -> tuple[list[Step], str]:
+    """(the services in start order, the endpoints banner); `tls_dir` (from `pdserve certs`):
+    the engines and the router speak mutual TLS with those certificates."""
     if args.mode == "disagg":
-        return _disagg(args, log_dir)
-    return _colocated(args, log_dir)
+        return _disagg(args, log_dir, tls_dir)
+    return _colocated(args, log_dir, tls_dir)
 
 
 def _engine(args, log_dir: Path, name: str, argv: list[str], cpus: str, threads: int,
-            service: str = "decode") -> tuple[Step, str]:
+            tls_dir: str, service: str = "decode") -> tuple[Step, str]:
     from pdserve.services.cli_serve import engine_argv
 
     port = args.engine_port if name == "engine-unified" and args.engine_port else \
         free_port(args.host)
     addr = f"{args.host}:{port}"
     words = SERVE + argv + ["--host", args.host, "--port", str(port), "--model", args.model]
-    words += engine_argv(args, cpus=cpus, threads=threads)
+    words += engine_argv(args, cpus=cpus, threads=threads) + tls_argv(tls_dir)
     if cpus and shutil.which("taskset"):  # pinned from exec on, before any thread starts
         words = ["taskset", "-c", cpus] + words
     child = Child(name, words, log_dir)
-    return Step(child, lambda: engine_serving(addr, service)), addr
+    return Step(child, lambda: engine_serving(addr, service, tls_dir)), addr
 
 
-def _router(args, log_dir: Path, backends: str, extra: list[str]) -> Step:
+def _router(args, log_dir: Path, backends: str, extra: list[str], tls_dir: str) -> Step:
     child = Child("router", SERVE + [
         "router", "--model", args.model, "--backends", backends, "--host", args.host,
-        "--port", str(args.port), "--grpc-port", str(args.grpc_port)] + extra, log_dir)
+        "--port", str(args.port), "--grpc-port", str(args.grpc_port)] + extra
+        + tls_argv(tls_dir), log_dir)
     return Step(child, lambda: http_ok(f"http://{args.host}:{args.port}/health"))
 
 
-def _colocated(args, log_dir: Path) -> tuple[list[Step], str]:
+def _colocated(args, log_dir: Path, tls_dir: str) -> tuple[list[Step], str]:
     engine, addr = _engine(args, log_dir, "engine-unified", ["decode", "--role", "unified"],
-                           args.cpus, args.num_threads)
-    return [engine, _router(args, log_dir, addr, [])], _banner(args, f"{addr}  (unified)")
+                           args.cpus, args.num_threads, tls_dir)
+    return [engine, _router(args, log_dir, addr, [], tls_dir)], \
+        _banner(args, f"{addr}  (unified)", tls_dir)
 
 
-def _disagg(args, log_dir: Path) -> tuple[list[Step], str]:
+def _disagg(args, log_dir: Path, tls_dir: str) -> tuple[list[Step], str]:
     redis_port = args.redis_port or free_port(args.host)
     store_port = args.kv_store_port or free_port(args.host)
     store = f"{args.host}:{store_port}"
@@ -70,16 +74,17 @@ def _disagg(args, log_dir: Path) -> tuple[list[Step], str]:
         "--capacity-mib", str(args.kv_capacity_mib), "--transport", args.kv_transport], log_dir)
     kv_words = ["--kv-store", store, "--kv-transport", args.kv_transport]
     prefill, paddr = _engine(args, log_dir, "prefill", ["prefill"] + kv_words,
-                             args.prefill_cpus, args.prefill_threads, service="prefill")
+                             args.prefill_cpus, args.prefill_threads, tls_dir, service="prefill")
     decode, daddr = _engine(args, log_dir, "decode", ["decode", "--role", "decode"] + kv_words,
-                            args.decode_cpus, args.decode_threads)
+                            args.decode_cpus, args.decode_threads, tls_dir)
     router = _router(args, log_dir, daddr, [
         "--prefill-backends", paddr, "--kv-store", store,
-        "--min-prefill-tokens", str(args.min_prefill_tokens)])
+        "--min-prefill-tokens", str(args.min_prefill_tokens)], tls_dir)
     steps = [Step(redis, lambda: redis_ready(args.host, redis_port)),
              Step(kv, lambda: store_ready(store)), prefill, decode, router]
     return steps, _banner(args, f"{paddr}  (prefill)\n  decode gRPC   {daddr}  (decode)\n"
-                                f"  KV store      {store}  (master; redis :{redis_port})")
+                                f"  KV store      {store}  (master; redis :{redis_port})",
+                          tls_dir)
 
 
 def redis_server() -> str:
@@ -119,10 +124,12 @@ def store_ready(master_addr: str) -> bool:
             return False
 
 
-def _banner(args, engines: str) -> str:
+def _banner(args, engines: str, tls_dir: str) -> str:
     base = f"http://{args.host}:{args.port}"
+    tls = (f"  mutual TLS    gRPC needs a certificate: {tls_dir}/client.pem, client-key.pem, "
+           f"ca.pem" if tls_dir else "  mutual TLS    off (--insecure)")
     return (f"  OpenAI API    {base}/v1  (completions, chat/completions, models)\n"
             f"  health        {base}/health\n"
             f"  metrics       {base}/metrics\n"
             f"  router gRPC   {args.host}:{args.grpc_port}  (pdserve.v1.Router/Generate)\n"
-            f"  engine gRPC   {engines}")
+            f"  engine gRPC   {engines}\n{tls}")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.services.common.tls import TlsConfig
 from pdserve.services.engine_host.health import ROLES
 from pdserve.services.engine_host.kv_connector_factory import ROLE_TO_KV, KVStoreSettings
 
@@ -36,6 +37,7 @@ class EngineServiceConfig:
     device: str = "cpu"  # "cuda" (or "cuda:N") runs the engine on a GPU
     attention_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA)
     cpu_gemm: str = "auto"  # auto | onednn | torch (auto: oneDNN prepacked on a CPU that has it)
+    tls: TlsConfig = TlsConfig()  # mutual TLS on the gRPC port; empty -> plaintext
 
     def __post_init__(self):
         if self.role not in ROLES:

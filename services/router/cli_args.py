@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.services.common.tls_args import add_tls_args, tls_from_args
 from pdserve.services.router.admission.admission_config import AdmissionConfig
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.dispatch.fallback_config import FallbackConfig
@@ -18,6 +19,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    "and leave through the registry (with --kv-store: disaggregated)")
     p.add_argument("--api-key-file", default="", help="one key per line; requests then need "
                    "Authorization: Bearer KEY (401 otherwise); rate limits are per key")
+    add_tls_args(p)  # the gRPC API and the channels to the engines
     r = p.add_argument_group("routing")
     r.add_argument("--decode-policy", choices=POLICIES, default="kv_aware")
     r.add_argument("--prefill-policy", choices=POLICIES, default="kv_aware")
@@ -80,4 +82,4 @@ def router_config(args, addresses) -> RouterConfig:
         min_prefill_tokens=args.min_prefill_tokens, prefill_timeout_s=args.prefill_timeout,
         max_prefill_queue_tokens=args.max_prefill_queue_tokens, registry_url=args.registry,
         api_key_file=args.api_key_file, routing=routing, admission=admission,
-        fallback=fallback)
+        fallback=fallback, tls=tls_from_args(args, "router"))

@@ -24,6 +24,7 @@ import uvicorn
 from pdserve.common.rpc import router_pb2_grpc as pb_grpc
 from pdserve.common.telemetry.metrics import RouterMetrics
 from pdserve.services.common.signals import wait_for_signal
+from pdserve.services.common.tls import add_port
 from pdserve.services.router.routing.backends import BackendPool
 from pdserve.services.registry.config import RegistryConfig
 from pdserve.services.router.config import RouterConfig
@@ -85,7 +86,7 @@ async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
     if cfg.grpc_port >= 0:
         grpc_server = grpc.aio.server()
         pb_grpc.add_RouterServicer_to_server(RouterServicer(state), grpc_server)
-        grpc_port = grpc_server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        grpc_port = add_port(grpc_server, f"{cfg.host}:{cfg.grpc_port}", cfg.tls)
         if grpc_port == 0:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.grpc_port}")
         await grpc_server.start()
@@ -107,7 +108,8 @@ def _pool(cfg: RouterConfig, metrics: RouterMetrics, addresses, kind: str) -> Ba
     policy = cfg.routing.decode_policy if kind == "decode" else cfg.routing.prefill_policy
     return BackendPool(plain, metrics, cfg.health_interval_s, cfg.health_timeout_s,
                        cfg.unhealthy_after, kind=kind, policy=make_policy(policy, cfg.routing),
-                       fallback=cfg.fallback, memory_blocks=cfg.routing.prefix_memory_blocks)
+                       fallback=cfg.fallback, memory_blocks=cfg.routing.prefix_memory_blocks,
+                       tls=cfg.tls)
 
 
 async def _watchers(cfg: RouterConfig, decode: BackendPool, prefill) -> tuple:
