@@ -8,7 +8,9 @@ import argparse
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.services.cli_serve import add_subcommands as add_serving
 
-    parser = argparse.ArgumentParser(prog="pdserve")
+    from pdserve.services.common.arg_files import cli_parser
+
+    parser = cli_parser()  # `--flag @FILE`: the value comes from FILE (secrets)
     sub = parser.add_subparsers(dest="command", required=True)
     add_serving(sub)  # up, serve
     from pdserve.common.engine.cli import add_generate_subcommand

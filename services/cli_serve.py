@@ -228,7 +228,9 @@ def run_parser(parser: argparse.ArgumentParser, argv=None) -> int:
 def main(argv=None) -> int:
     """Entry point for these subcommands alone (`python -m pdserve.services.cli_serve`), which
     the launcher uses: it does not import the bench."""
-    parser = argparse.ArgumentParser(prog="pdserve")
+    from pdserve.services.common.arg_files import cli_parser
+
+    parser = cli_parser()  # `--flag @FILE`: the value comes from FILE (secrets)
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     return run_parser(parser, argv)
 

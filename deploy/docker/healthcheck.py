@@ -41,14 +41,30 @@ def check_http(url: str) -> tuple[bool, str]:
         return False, f"{url} -> {exc}"
 
 
-def check_engine(address: str, role: str = "unified") -> tuple[bool, str]:
+def _channel(address: str, tls, server_role: str):
+    """Plaintext, or mutual TLS with the service's own certificate (`tls`, a TlsConfig)."""
+    from pdserve.services.common.tls import TlsConfig, open_channel
+
+    return open_channel(address, tls or TlsConfig(), server_role, aio=False)
+
+
+def _tls_of(args, role: str):
+    """The TLS settings a parsed `serve` command line names (services without the flags:
+    plaintext)."""
+    from pdserve.services.common.tls import TlsConfig
+    from pdserve.services.common.tls_args import tls_from_args
+
+    return tls_from_args(args, role) if hasattr(args, "tls_dir") else TlsConfig()
+
+
+def check_engine(address: str, role: str = "unified", tls=None) -> tuple[bool, str]:
     import grpc
 
     from pdserve.common.rpc import engine_pb2 as pb
     from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
 
     stub_type = pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address, tls, "prefill" if role == "prefill" else "decode") as channel:
         try:
             health = stub_type(channel).Health(pb.HealthRequest(), timeout=TIMEOUT_S)
         except grpc.RpcError as exc:
@@ -57,33 +73,31 @@ def check_engine(address: str, role: str = "unified") -> tuple[bool, str]:
     return ok, f"engine {address} ({health.role}): {pb.HealthResponse.Status.Name(health.status)}"
 
 
-def _master_stats(address: str):
-    import grpc
-
+def _master_stats(address: str, tls=None):
     from pdserve.common.rpc import kvstore_pb2 as pb
     from pdserve.common.rpc import kvstore_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address, tls, "kvstore-master") as channel:
         return pb_grpc.KVStoreMasterStub(channel).Stats(pb.StatsRequest(), timeout=TIMEOUT_S)
 
 
-def check_kvstore_master(address: str) -> tuple[bool, str]:
+def check_kvstore_master(address: str, tls=None) -> tuple[bool, str]:
     import grpc
 
     try:
-        stats = _master_stats(address)
+        stats = _master_stats(address, tls)
     except grpc.RpcError as exc:
         return False, f"kvstore master {address}: {exc.code().name}"
     return True, f"kvstore master {address}: {len(stats.nodes)} node(s)"
 
 
-def check_kvstore_node(master: str, node_id: str) -> tuple[bool, str]:
+def check_kvstore_node(master: str, node_id: str, tls=None) -> tuple[bool, str]:
     """The node is healthy when the master (which drops nodes that stop heartbeating) lists it;
     an empty `node_id` accepts any node (the node's id was left to its transport address)."""
     import grpc
 
     try:
-        stats = _master_stats(master)
+        stats = _master_stats(master, tls)
     except grpc.RpcError as exc:
         return False, f"kvstore master {master}: {exc.code().name}"
     ids = {n.node_id for n in stats.nodes} | {n.address for n in stats.nodes}
@@ -100,7 +114,9 @@ def serve_parser() -> argparse.ArgumentParser:
     """`pdserve serve ...` exactly as the CLI parses it, without the heavy top-level imports."""
     from pdserve.services.cli_serve import add_subcommands
 
-    parser = argparse.ArgumentParser(prog="pdserve")
+    from pdserve.services.common.arg_files import cli_parser
+
+    parser = cli_parser()  # `--redis-url @FILE` as the service read it
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     return parser
 
@@ -119,12 +135,14 @@ def check_for_args(args) -> tuple[bool, str]:
     if service == "router":
         return check_http(f"http://{_local(args.host)}:{args.port}/health")
     if service in ("decode", "prefill"):
-        return check_engine(f"{_local(args.host)}:{args.port}", args.role)
+        return check_engine(f"{_local(args.host)}:{args.port}", args.role,
+                            _tls_of(args, "prefill" if args.role == "prefill" else "decode"))
     if service in ("kvstore-master", "kvstore"):
-        return check_kvstore_master(f"{_local(args.host)}:{args.port}")
+        return check_kvstore_master(f"{_local(args.host)}:{args.port}",
+                                    _tls_of(args, "kvstore-master"))
     if service == "kvstore-node":
         node_id = args.node_id or (f"{args.host}:{args.node_port}" if args.node_port else "")
-        return check_kvstore_node(args.master, node_id)
+        return check_kvstore_node(args.master, node_id, _tls_of(args, "kvstore-node"))
     return False, f"no health check for service {service!r}"
 
 
