@@ -21,11 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVE = [sys.executable, "-m", "pdserve.services.cli_serve", "serve"]
 
 
-def plan_stack(args, log_dir: Path, tls_dir: str = "") -> tuple[list[Step], str]:
+def plan_stack(args, log_dir: Path, tls_dir: str = "",
+               secret_dir: str = "") -> tuple[list[Step], str]:
     """(the services in start order, the endpoints banner); `tls_dir` (from `pdserve certs`):
-    the engines and the router speak mutual TLS with those certificates."""
+    the engines and the router speak mutual TLS with those certificates; `secret_dir`: a
+    private folder for Redis's password (disagg), which no command line names."""
     if args.mode == "disagg":
-        return _disagg(args, log_dir, tls_dir)
+        if not secret_dir:
+            raise ValueError("disagg mode needs a private secret_dir for Redis's password")
+        return _disagg(args, log_dir, tls_dir, secret_dir)
     return _colocated(args, log_dir, tls_dir)
 
 
@@ -59,18 +63,24 @@ def _colocated(args, log_dir: Path, tls_dir: str) -> tuple[list[Step], str]:
         _banner(args, f"{addr}  (unified)", tls_dir)
 
 
-def _disagg(args, log_dir: Path, tls_dir: str) -> tuple[list[Step], str]:
+def _disagg(args, log_dir: Path, tls_dir: str, secret_dir: str) -> tuple[list[Step], str]:
+    from urllib.parse import urlsplit
+
+    from pdserve.services.common.redis_auth import CONF_FILE, URL_FILE, make_redis_auth
+
     redis_port = args.redis_port or free_port(args.host)
     store_port = args.kv_store_port or free_port(args.host)
     store = f"{args.host}:{store_port}"
     redis_dir = log_dir / "redis"
     redis_dir.mkdir(exist_ok=True)
-    redis = Child("redis", [redis_server(), "--bind", args.host, "--port", str(redis_port),
-                            "--dir", str(redis_dir), "--save", "", "--appendonly", "no"],
-                  log_dir)
+    auth = Path(secret_dir) / "redis"  # redis.conf (requirepass) and the store's URL file
+    password = urlsplit(make_redis_auth(auth, f"redis://{args.host}:{redis_port}/0")).password
+    redis = Child("redis", [redis_server(), str(auth / CONF_FILE), "--bind", args.host,
+                            "--port", str(redis_port), "--dir", str(redis_dir), "--save", "",
+                            "--appendonly", "no"], log_dir)
     kv = Child("kvstore", SERVE + [
         "kvstore", "--host", args.host, "--port", str(store_port),
-        "--redis-url", f"redis://{args.host}:{redis_port}/0",
+        "--redis-url", f"@{auth / URL_FILE}",  # read from the file: not in argv
         "--capacity-mib", str(args.kv_capacity_mib), "--transport", args.kv_transport], log_dir)
     kv_words = ["--kv-store", store, "--kv-transport", args.kv_transport]
     prefill, paddr = _engine(args, log_dir, "prefill", ["prefill"] + kv_words,
@@ -80,7 +90,7 @@ def _disagg(args, log_dir: Path, tls_dir: str) -> tuple[list[Step], str]:
     router = _router(args, log_dir, daddr, [
         "--prefill-backends", paddr, "--kv-store", store,
         "--min-prefill-tokens", str(args.min_prefill_tokens)], tls_dir)
-    steps = [Step(redis, lambda: redis_ready(args.host, redis_port)),
+    steps = [Step(redis, lambda: redis_ready(args.host, redis_port, password)),
              Step(kv, lambda: store_ready(store)), prefill, decode, router]
     return steps, _banner(args, f"{paddr}  (prefill)\n  decode gRPC   {daddr}  (decode)\n"
                                 f"  KV store      {store}  (master; redis :{redis_port})",
@@ -98,11 +108,15 @@ def redis_server() -> str:
     return exe
 
 
-def redis_ready(host: str, port: int) -> bool:
+def redis_ready(host: str, port: int, password: str = "") -> bool:
     import socket
 
     try:
         with socket.create_connection((host, port), timeout=0.5) as s:
+            if password:
+                s.sendall(b"AUTH %s\r\n" % password.encode())
+                if not s.recv(64).startswith(b"+OK"):
+                    return False
             s.sendall(b"PING\r\n")
             return s.recv(16).startswith(b"+PONG")
     except OSError:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from pdserve.services.common.tls_args import RunCerts
+from pdserve.services.common.tls_args import RunSecrets
 from pdserve.services.ports import free_port  # noqa: F401  (re-exported for plans and tests)
 
 PARENT_ENV = "PDSERVE_LAUNCHER_PID"
@@ -144,9 +144,9 @@ def run_up(args, stop_timeout_s: float = 10.0) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print(f"pdserve up ({args.mode}, model {args.model}); logs in {log_dir}", flush=True)
     code, started = 0, []
-    certs = RunCerts(args.insecure)  # mutual TLS between the services unless --insecure
+    secrets = RunSecrets(args.insecure)  # mutual TLS unless --insecure; Redis's password
     try:
-        steps, endpoints = plan_stack(args, log_dir, certs.dir)
+        steps, endpoints = plan_stack(args, log_dir, secrets.tls_dir, secrets.dir)
         for step in steps:
             step.child.start()
             started.append(step.child)
@@ -161,7 +161,7 @@ def run_up(args, stop_timeout_s: float = 10.0) -> int:
     finally:
         for child in reversed(started):  # the router first: no new work reaches the rest
             child.stop(stop_timeout_s)
-        certs.close()  # the run's keys go with it
+        secrets.close()  # the run's keys and password go with it
     print("pdserve up: stopped", flush=True)
     return code
 

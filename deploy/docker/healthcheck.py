@@ -6,8 +6,9 @@ Kubernetes' exec-probe convention). The image installs this file as
     pdserve-healthcheck                       the `pdserve serve ...` process in this container
     pdserve-healthcheck --pid N               the same, for process N's command line
     pdserve-healthcheck http URL              GET URL answers 200 (the router's /health)
-    pdserve-healthcheck engine HOST:PORT [--role unified|decode|prefill]
-                                              the engine's gRPC Health says SERVING
+    pdserve-healthcheck engine HOST:PORT [--role unified|decode|prefill] [--tls-dir DIR]
+                                              the engine's gRPC Health says SERVING (over
+                                              mutual TLS with DIR's client certificate)
     pdserve-healthcheck kvstore-master HOST:PORT
                                               the KV store master answers Stats
     pdserve-healthcheck kvstore-node MASTER NODE_ID
@@ -55,6 +56,12 @@ def _tls_of(args, role: str):
     from pdserve.services.common.tls_args import tls_from_args
 
     return tls_from_args(args, role) if hasattr(args, "tls_dir") else TlsConfig()
+
+
+def _client_tls(tls_dir: str):
+    from pdserve.services.common.tls import TlsConfig
+
+    return TlsConfig.from_dir(tls_dir, "client") if tls_dir else TlsConfig()
 
 
 def check_engine(address: str, role: str = "unified", tls=None) -> tuple[bool, str]:
@@ -182,6 +189,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     engine = modes.add_parser("engine")
     engine.add_argument("address")
     engine.add_argument("--role", choices=["unified", "decode", "prefill"], default="unified")
+    engine.add_argument("--tls-dir", default="", help="`pdserve certs` folder: ask over "
+                        "mutual TLS with its client certificate")
     master = modes.add_parser("kvstore-master")
     master.add_argument("address")
     node = modes.add_parser("kvstore-node")
@@ -196,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.mode == "http":
             ok, why = check_http(args.url)
         elif args.mode == "engine":
-            ok, why = check_engine(args.address, args.role)
+            ok, why = check_engine(args.address, args.role, _client_tls(args.tls_dir))
         elif args.mode == "kvstore-master":
             ok, why = check_kvstore_master(args.address)
         elif args.mode == "kvstore-node":

@@ -120,6 +120,13 @@ def _leaf(role: str, spec: CertSpec, ca_key, ca_cert, now: datetime.datetime):
     return key, cert
 
 
+def complete(out_dir: str | os.PathLike, roles: Iterable[str]) -> bool:
+    """`out_dir` already holds a CA and every role's certificate and key."""
+    out = Path(out_dir)
+    names = [CA_FILE] + [f for r in roles for f in (cert_file(r), key_file(r))]
+    return all((out / n).is_file() for n in names)
+
+
 def make_certs(out_dir: str | os.PathLike, spec: CertSpec = CertSpec()) -> list[Path]:
     """Writes a new CA and a certificate per role of `spec` into `out_dir` (replacing what
     is there); returns the files written."""

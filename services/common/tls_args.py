@@ -34,19 +34,21 @@ def tls_argv(tls_dir: str) -> list[str]:
 
 
 
-class RunCerts:
-    """`pdserve up`'s certificates: a fresh CA and per-role certificates (the code of
-    `pdserve certs`) in a new private folder (0700) that `close()` removes; with `insecure`,
-    none (`dir` is "")."""
+
+class RunSecrets:
+    """`pdserve up`'s secrets, in a new private folder (0700) that `close()` removes: a fresh
+    CA and per-role certificates (the code of `pdserve certs`) in `tls_dir` ("" with
+    `insecure`), and room for the run's Redis password (services/common/redis_auth.py)."""
 
     def __init__(self, insecure: bool):
-        self._tmp = None if insecure else tempfile.TemporaryDirectory(prefix="pdserve-tls-")
-        self.dir = self._tmp.name if self._tmp is not None else ""
-        if self._tmp is not None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-secrets-")
+        self.dir = self._tmp.name
+        self.tls_dir = ""
+        if not insecure:
             from pdserve.services.common.certs import make_certs
 
-            make_certs(self.dir)
+            self.tls_dir = f"{self.dir}/tls"
+            make_certs(self.tls_dir)
 
     def close(self) -> None:
-        if self._tmp is not None:
-            self._tmp.cleanup()
+        self._tmp.cleanup()
