@@ -9,9 +9,9 @@ Kubernetes' exec-probe convention). The image installs this file as
     pdserve-healthcheck engine HOST:PORT [--role unified|decode|prefill] [--tls-dir DIR]
                                               the engine's gRPC Health says SERVING (over
                                               mutual TLS with DIR's client certificate)
-    pdserve-healthcheck kvstore-master HOST:PORT
+    pdserve-healthcheck kvstore-master HOST:PORT [--tls-dir DIR]
                                               the KV store master answers Stats
-    pdserve-healthcheck kvstore-node MASTER NODE_ID
+    pdserve-healthcheck kvstore-node MASTER NODE_ID [--tls-dir DIR]
                                               the master lists NODE_ID among its live nodes
 
 Without a mode it reads the service's own command line (/proc/PID/cmdline) with pdserve's own
@@ -196,6 +196,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     node = modes.add_parser("kvstore-node")
     node.add_argument("master")
     node.add_argument("node_id")
+    for mode in (master, node):
+        mode.add_argument("--tls-dir", default="", help="`pdserve certs` folder: ask over "
+                          "mutual TLS with its client certificate")
     return parser
 
 
@@ -207,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.mode == "engine":
             ok, why = check_engine(args.address, args.role, _client_tls(args.tls_dir))
         elif args.mode == "kvstore-master":
-            ok, why = check_kvstore_master(args.address)
+            ok, why = check_kvstore_master(args.address, _client_tls(args.tls_dir))
         elif args.mode == "kvstore-node":
-            ok, why = check_kvstore_node(args.master, args.node_id)
+            ok, why = check_kvstore_node(args.master, args.node_id, _client_tls(args.tls_dir))
         else:
             ok, why = check_process(args.pid)
     except (LookupError, ValueError, OSError) as exc:
