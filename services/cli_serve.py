@@ -27,6 +27,8 @@ def add_subcommands(subparsers) -> None:
     up.add_argument("--startup-timeout", type=float, default=300.0)
     up.add_argument("--insecure", action="store_true", help="plaintext gRPC between the "
                     "services (default: mutual TLS with a fresh CA made for this run)")
+    up.add_argument("--tls-dir", default="", help="use these certificates (`pdserve certs "
+                    "--out DIR`) instead of a fresh CA, e.g. to give gRPC clients one")
     _engine_args(up)
     _disagg_up_args(up)
     up.set_defaults(func=_run_up)

@@ -144,7 +144,8 @@ def run_up(args, stop_timeout_s: float = 10.0) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print(f"pdserve up ({args.mode}, model {args.model}); logs in {log_dir}", flush=True)
     code, started = 0, []
-    secrets = RunSecrets(args.insecure)  # mutual TLS unless --insecure; Redis's password
+    # mutual TLS unless --insecure (a fresh CA, or --tls-dir's); Redis's password
+    secrets = RunSecrets(args.insecure, args.tls_dir)
     try:
         steps, endpoints = plan_stack(args, log_dir, secrets.tls_dir, secrets.dir)
         for step in steps:

@@ -38,13 +38,16 @@ def tls_argv(tls_dir: str) -> list[str]:
 class RunSecrets:
     """`pdserve up`'s secrets, in a new private folder (0700) that `close()` removes: a fresh
     CA and per-role certificates (the code of `pdserve certs`) in `tls_dir` ("" with
-    `insecure`), and room for the run's Redis password (services/common/redis_auth.py)."""
+    `insecure`; `given_tls_dir` when one is given, which stays), and room for the run's Redis
+    password (services/common/redis_auth.py)."""
 
-    def __init__(self, insecure: bool):
+    def __init__(self, insecure: bool, given_tls_dir: str = ""):
+        if insecure and given_tls_dir:
+            raise ValueError("--insecure and --tls-dir contradict each other")
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-secrets-")
         self.dir = self._tmp.name
-        self.tls_dir = ""
-        if not insecure:
+        self.tls_dir = given_tls_dir
+        if not insecure and not given_tls_dir:
             from pdserve.services.common.certs import make_certs
 
             self.tls_dir = f"{self.dir}/tls"

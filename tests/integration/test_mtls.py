@@ -95,3 +95,31 @@ def test_router_with_its_certificate_serves_end_to_end(stack):
     with grpc.insecure_channel(stack["grpc"]) as ch, pytest.raises(grpc.RpcError) as info:
         list(rpb_grpc.RouterStub(ch).Generate(req, timeout=10))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_bench_grpc_client_speaks_mutual_tls(stack):
+    """`pdserve bench ... --api grpc --tls-dir DIR` reaches a TLS router; without it, it
+    records the refusal instead of tokens."""
+    import asyncio
+    import time
+
+    from pdserve.bench.client_grpc import GrpcClient
+    from pdserve.bench.record import StreamTrace
+    from pdserve.bench.request import BenchRequest
+    from pdserve.bench.target import TargetConfig
+
+    async def one(tls_dir: str) -> StreamTrace:
+        client = GrpcClient(TargetConfig(api="grpc", grpc_addr=stack["grpc"], tls_dir=tls_dir,
+                                         timeout_s=30))
+        await client.start()
+        trace = StreamTrace(sent_t=time.perf_counter())
+        try:
+            await client.send(BenchRequest(tier="t", max_tokens=3, prompt="bench"), None, trace)
+        finally:
+            await client.close()
+        return trace
+
+    good = asyncio.run(one(str(stack["certs"])))
+    assert good.error is None and good.usage_completion == 3
+    bad = asyncio.run(one(""))
+    assert bad.error is not None and "UNAVAILABLE" in bad.error and not bad.arrivals

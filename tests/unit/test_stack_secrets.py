@@ -78,6 +78,12 @@ def test_up_secrets_folder(tmp_path):
     plain = RunSecrets(insecure=True)
     assert plain.tls_dir == "" and os.listdir(plain.dir) == []
     plain.close()
+    given = RunSecrets(insecure=False, given_tls_dir=str(tmp_path))  # `up --tls-dir`
+    assert given.tls_dir == str(tmp_path) and not os.listdir(tmp_path)  # used, not made
+    given.close()
+    assert tmp_path.exists()  # the user's folder stays
+    with pytest.raises(ValueError, match="contradict"):
+        RunSecrets(insecure=True, given_tls_dir=str(tmp_path))
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
