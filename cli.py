@@ -28,12 +28,17 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.services.cli_serve import add_subcommands as add_serving
 
-    parser = Parser(prog="pdserve",
+    from pdserve.services.common.arg_files import PREFIX
+
+    # `--flag @FILE`: the value comes from FILE (secrets; services/common/arg_files.py)
+    parser = Parser(prog="pdserve", fromfile_prefix_chars=PREFIX,
                     description="LLM serving with prefill and decode split into services.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serving(sub)  # up, serve
     from pdserve.common.engine.cli import add_generate_subcommand
     add_generate_subcommand(sub)
+    from pdserve.services.cli_certs import add_certs_subcommand
+    add_certs_subcommand(sub)
     bench = sub.add_parser("bench", help="benchmarks; each ends with one JSON line")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from pdserve.bench.offline import add_offline_subcommand

@@ -30,6 +30,8 @@ def add_target_args(p: argparse.ArgumentParser, with_address: bool = True) -> No
                    help="let outputs stop at EOS (otherwise every output is exactly max_tokens)")
     g.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds before one request is given up (and counted failed)")
+    g.add_argument("--tls-dir", default="", help="grpc over mutual TLS with this `pdserve "
+                   "certs` folder's client certificate")
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
@@ -89,7 +91,7 @@ def target_from(args, base_url: str = "", grpc_addr: str = "", label: str = "") 
                         grpc_addr=grpc_addr or getattr(args, "grpc_addr", ""),
                         model_name=args.model_name, temperature=args.temperature,
                         ignore_eos=not args.no_ignore_eos, timeout_s=args.request_timeout,
-                        label=label)
+                        label=label, tls_dir=args.tls_dir)
 
 
 def serve_config_from(args, target: TargetConfig) -> ServeConfig:

@@ -21,7 +21,10 @@ class GrpcClient:
         self._stub = None
 
     async def start(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self._t.grpc_addr)
+        from pdserve.services.common.tls import TlsConfig, open_channel
+
+        tls = TlsConfig.from_dir(self._t.tls_dir, "client") if self._t.tls_dir else TlsConfig()
+        self._channel = open_channel(self._t.grpc_addr, tls, "router")
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
     @property

@@ -64,7 +64,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     for mode in cfg.modes:
         with running_stack(cfg.spec(mode), out_dir / f"logs_{mode}") as stack:
             target = replace(cfg.sweep.serve.target, base_url=stack.http_url,
-                             grpc_addr=stack.grpc_addr, label=mode)
+                             grpc_addr=stack.grpc_addr, label=mode, tls_dir=stack.tls_dir)
             sweep = replace(cfg.sweep, serve=replace(cfg.sweep.serve, target=target))
             results[mode] = run_sweep(sweep, stem=f"compare_{mode}", label=mode)
     png = plot_attainment({m: r["curves"] for m, r in results.items()},

@@ -42,6 +42,7 @@ class RunningStack:
     http_url: str
     grpc_addr: str
     log_dir: Path
+    tls_dir: str = ""  # the stack's certificates (its gRPC clients use the client one)
 
 
 def check_up_accepts(spec: StackSpec) -> None:
@@ -76,14 +77,20 @@ def running_stack(spec: StackSpec, log_dir: Path):
 
     log_dir.mkdir(parents=True, exist_ok=True)
     hp, gp = free_port("127.0.0.1"), free_port("127.0.0.1")
+    tls = "" if "--insecure" in spec.extra_args else str(log_dir / "tls")
+    if tls:  # `up`'s mutual TLS with certificates the bench's gRPC client can use too
+        from pdserve.services.common.certs import make_certs
+
+        make_certs(tls)
     argv = [*UP, "--mode", spec.mode, "--model", spec.model, "--port", str(hp),
                  "--grpc-port", str(gp), "--log-dir", str(log_dir), *spec.extra_args]
+    argv += ["--tls-dir", tls] if tls else []
     log = open(log_dir / "up.log", "ab")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         _wait_healthy(proc, f"http://127.0.0.1:{hp}/health", spec, log_dir)
-        yield RunningStack(f"http://127.0.0.1:{hp}", f"127.0.0.1:{gp}", log_dir)
+        yield RunningStack(f"http://127.0.0.1:{hp}", f"127.0.0.1:{gp}", log_dir, tls)
     finally:
         _stop(proc)
         log.close()

@@ -17,6 +17,7 @@ class TargetConfig:
     ignore_eos: bool = True  # outputs as long as asked, so runs compare like with like
     timeout_s: float = 600.0
     label: str = ""  # how reports name it ('' -> the address)
+    tls_dir: str = ""  # grpc: `pdserve certs` folder; its client certificate for mutual TLS
 
     def __post_init__(self):
         if self.api not in APIS:

@@ -27,6 +27,10 @@ def add_subcommands(subparsers) -> None:
     up.add_argument("--engine-port", type=int, default=0, help="engine gRPC; 0 -> a free port")
     up.add_argument("--log-dir", default=None, help="default: a new folder under /tmp")
     up.add_argument("--startup-timeout", type=float, default=300.0)
+    up.add_argument("--insecure", action="store_true", help="plaintext gRPC between the "
+                    "services (default: mutual TLS with a fresh CA made for this run)")
+    up.add_argument("--tls-dir", default="", help="use these certificates (`pdserve certs "
+                    "--out DIR`) instead of a fresh CA, e.g. to give gRPC clients one")
     _engine_args(up)
     _disagg_up_args(up)
     up.set_defaults(func=_run_up)
@@ -70,6 +74,9 @@ def add_subcommands(subparsers) -> None:
         _engine_args(p)
         _kv_args(p)
         _registry_args(p)
+        from pdserve.services.common.tls_args import add_tls_args
+
+        add_tls_args(p)  # the engine's gRPC port (a unified engine uses the decode cert)
         p.add_argument("--metrics-port", type=int, default=0,
                        help="serve Prometheus /metrics over HTTP on this port; 0 -> none")
         p.add_argument("--otlp-endpoint", default="",
@@ -178,6 +185,7 @@ def _setup_logging() -> None:
 def _run_engine(args) -> int:
     from pdserve.services.engine_host.engine_server import run_engine_server
     from pdserve.common.engine.cli import parallel_config
+    from pdserve.services.common.tls_args import tls_from_args
     from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
 
     _setup_logging()
@@ -193,7 +201,8 @@ def _run_engine(args) -> int:
         kv_load_timeout_s=args.kv_load_timeout, metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint, device=args.device,
         attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm, weights=args.weights,
-        parallel=parallel_config(args))
+        parallel=parallel_config(args),
+        tls=tls_from_args(args, "prefill" if args.role == "prefill" else "decode"))
     asyncio.run(run_engine_server(cfg))
     return 0
 
@@ -234,7 +243,9 @@ def run_parser(parser: argparse.ArgumentParser, argv=None) -> int:
 def main(argv=None) -> int:
     """Entry point for these subcommands alone (`python -m pdserve.services.cli_serve`), which
     the launcher uses: it does not import the bench."""
-    parser = argparse.ArgumentParser(prog="pdserve")
+    from pdserve.services.common.arg_files import cli_parser
+
+    parser = cli_parser()  # `--flag @FILE`: the value comes from FILE (secrets)
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     return run_parser(parser, argv)
 

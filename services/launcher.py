@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from pdserve.services.common.tls_args import RunSecrets
 from pdserve.services.ports import free_port  # noqa: F401  (re-exported for plans and tests)
 
 PARENT_ENV = "PDSERVE_LAUNCHER_PID"
@@ -82,16 +83,19 @@ class Child:
             return ""
 
 
-def engine_serving(address: str, service: str = "decode") -> bool:
+def engine_serving(address: str, service: str = "decode", tls_dir: str = "") -> bool:
     """True when the instance's Health (on DecodeService, or PrefillService for a prefill
-    instance) says SERVING."""
+    instance) says SERVING; `tls_dir`: ask over mutual TLS with its client certificate."""
     import grpc
 
     from pdserve.common.rpc import engine_pb2 as pb
     from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
+    from pdserve.services.common.tls import TlsConfig, open_channel
 
     stub = pb_grpc.PrefillServiceStub if service == "prefill" else pb_grpc.DecodeServiceStub
-    with grpc.insecure_channel(address) as channel:
+    tls = TlsConfig.from_dir(tls_dir, "client") if tls_dir else TlsConfig()
+    role = "prefill" if service == "prefill" else "decode"
+    with open_channel(address, tls, role, aio=False) as channel:
         try:
             health = stub(channel).Health(pb.HealthRequest(), timeout=1.0)
         except grpc.RpcError:
@@ -140,8 +144,10 @@ def run_up(args, stop_timeout_s: float = 10.0) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print(f"pdserve up ({args.mode}, model {args.model}); logs in {log_dir}", flush=True)
     code, started = 0, []
+    # mutual TLS unless --insecure (a fresh CA, or --tls-dir's); Redis's password
+    secrets = RunSecrets(args.insecure, args.tls_dir)
     try:
-        steps, endpoints = plan_stack(args, log_dir)
+        steps, endpoints = plan_stack(args, log_dir, secrets.tls_dir, secrets.dir)
         for step in steps:
             step.child.start()
             started.append(step.child)
@@ -156,6 +162,7 @@ def run_up(args, stop_timeout_s: float = 10.0) -> int:
     finally:
         for child in reversed(started):  # the router first: no new work reaches the rest
             child.stop(stop_timeout_s)
+        secrets.close()  # the run's keys and password go with it
     print("pdserve up: stopped", flush=True)
     return code
 

@@ -6,11 +6,12 @@ Kubernetes' exec-probe convention). The image installs this file as
     pdserve-healthcheck                       the `pdserve serve ...` process in this container
     pdserve-healthcheck --pid N               the same, for process N's command line
     pdserve-healthcheck http URL              GET URL answers 200 (the router's /health)
-    pdserve-healthcheck engine HOST:PORT [--role unified|decode|prefill]
-                                              the engine's gRPC Health says SERVING
-    pdserve-healthcheck kvstore-master HOST:PORT
+    pdserve-healthcheck engine HOST:PORT [--role unified|decode|prefill] [--tls-dir DIR]
+                                              the engine's gRPC Health says SERVING (over
+                                              mutual TLS with DIR's client certificate)
+    pdserve-healthcheck kvstore-master HOST:PORT [--tls-dir DIR]
                                               the KV store master answers Stats
-    pdserve-healthcheck kvstore-node MASTER NODE_ID
+    pdserve-healthcheck kvstore-node MASTER NODE_ID [--tls-dir DIR]
                                               the master lists NODE_ID among its live nodes
 
 Without a mode it reads the service's own command line (/proc/PID/cmdline) with pdserve's own
@@ -41,14 +42,36 @@ def check_http(url: str) -> tuple[bool, str]:
         return False, f"{url} -> {exc}"
 
 
-def check_engine(address: str, role: str = "unified") -> tuple[bool, str]:
+def _channel(address: str, tls, server_role: str):
+    """Plaintext, or mutual TLS with the service's own certificate (`tls`, a TlsConfig)."""
+    from pdserve.services.common.tls import TlsConfig, open_channel
+
+    return open_channel(address, tls or TlsConfig(), server_role, aio=False)
+
+
+def _tls_of(args, role: str):
+    """The TLS settings a parsed `serve` command line names (services without the flags:
+    plaintext)."""
+    from pdserve.services.common.tls import TlsConfig
+    from pdserve.services.common.tls_args import tls_from_args
+
+    return tls_from_args(args, role) if hasattr(args, "tls_dir") else TlsConfig()
+
+
+def _client_tls(tls_dir: str):
+    from pdserve.services.common.tls import TlsConfig
+
+    return TlsConfig.from_dir(tls_dir, "client") if tls_dir else TlsConfig()
+
+
+def check_engine(address: str, role: str = "unified", tls=None) -> tuple[bool, str]:
     import grpc
 
     from pdserve.common.rpc import engine_pb2 as pb
     from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
 
     stub_type = pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address, tls, "prefill" if role == "prefill" else "decode") as channel:
         try:
             health = stub_type(channel).Health(pb.HealthRequest(), timeout=TIMEOUT_S)
         except grpc.RpcError as exc:
@@ -57,33 +80,31 @@ def check_engine(address: str, role: str = "unified") -> tuple[bool, str]:
     return ok, f"engine {address} ({health.role}): {pb.HealthResponse.Status.Name(health.status)}"
 
 
-def _master_stats(address: str):
-    import grpc
-
+def _master_stats(address: str, tls=None):
     from pdserve.common.rpc import kvstore_pb2 as pb
     from pdserve.common.rpc import kvstore_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address, tls, "kvstore-master") as channel:
         return pb_grpc.KVStoreMasterStub(channel).Stats(pb.StatsRequest(), timeout=TIMEOUT_S)
 
 
-def check_kvstore_master(address: str) -> tuple[bool, str]:
+def check_kvstore_master(address: str, tls=None) -> tuple[bool, str]:
     import grpc
 
     try:
-        stats = _master_stats(address)
+        stats = _master_stats(address, tls)
     except grpc.RpcError as exc:
         return False, f"kvstore master {address}: {exc.code().name}"
     return True, f"kvstore master {address}: {len(stats.nodes)} node(s)"
 
 
-def check_kvstore_node(master: str, node_id: str) -> tuple[bool, str]:
+def check_kvstore_node(master: str, node_id: str, tls=None) -> tuple[bool, str]:
     """The node is healthy when the master (which drops nodes that stop heartbeating) lists it;
     an empty `node_id` accepts any node (the node's id was left to its transport address)."""
     import grpc
 
     try:
-        stats = _master_stats(master)
+        stats = _master_stats(master, tls)
     except grpc.RpcError as exc:
         return False, f"kvstore master {master}: {exc.code().name}"
     ids = {n.node_id for n in stats.nodes} | {n.address for n in stats.nodes}
@@ -100,7 +121,9 @@ def serve_parser() -> argparse.ArgumentParser:
     """`pdserve serve ...` exactly as the CLI parses it, without the heavy top-level imports."""
     from pdserve.services.cli_serve import add_subcommands
 
-    parser = argparse.ArgumentParser(prog="pdserve")
+    from pdserve.services.common.arg_files import cli_parser
+
+    parser = cli_parser()  # `--redis-url @FILE` as the service read it
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     return parser
 
@@ -119,12 +142,14 @@ def check_for_args(args) -> tuple[bool, str]:
     if service == "router":
         return check_http(f"http://{_local(args.host)}:{args.port}/health")
     if service in ("decode", "prefill"):
-        return check_engine(f"{_local(args.host)}:{args.port}", args.role)
+        return check_engine(f"{_local(args.host)}:{args.port}", args.role,
+                            _tls_of(args, "prefill" if args.role == "prefill" else "decode"))
     if service in ("kvstore-master", "kvstore"):
-        return check_kvstore_master(f"{_local(args.host)}:{args.port}")
+        return check_kvstore_master(f"{_local(args.host)}:{args.port}",
+                                    _tls_of(args, "kvstore-master"))
     if service == "kvstore-node":
         node_id = args.node_id or (f"{args.host}:{args.node_port}" if args.node_port else "")
-        return check_kvstore_node(args.master, node_id)
+        return check_kvstore_node(args.master, node_id, _tls_of(args, "kvstore-node"))
     return False, f"no health check for service {service!r}"
 
 
@@ -164,11 +189,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
     engine = modes.add_parser("engine")
     engine.add_argument("address")
     engine.add_argument("--role", choices=["unified", "decode", "prefill"], default="unified")
+    engine.add_argument("--tls-dir", default="", help="`pdserve certs` folder: ask over "
+                        "mutual TLS with its client certificate")
     master = modes.add_parser("kvstore-master")
     master.add_argument("address")
     node = modes.add_parser("kvstore-node")
     node.add_argument("master")
     node.add_argument("node_id")
+    for mode in (master, node):
+        mode.add_argument("--tls-dir", default="", help="`pdserve certs` folder: ask over "
+                          "mutual TLS with its client certificate")
     return parser
 
 
@@ -178,11 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.mode == "http":
             ok, why = check_http(args.url)
         elif args.mode == "engine":
-            ok, why = check_engine(args.address, args.role)
+            ok, why = check_engine(args.address, args.role, _client_tls(args.tls_dir))
         elif args.mode == "kvstore-master":
-            ok, why = check_kvstore_master(args.address)
+            ok, why = check_kvstore_master(args.address, _client_tls(args.tls_dir))
         elif args.mode == "kvstore-node":
-            ok, why = check_kvstore_node(args.master, args.node_id)
+            ok, why = check_kvstore_node(args.master, args.node_id, _client_tls(args.tls_dir))
         else:
             ok, why = check_process(args.pid)
     except (LookupError, ValueError, OSError) as exc:

@@ -24,6 +24,7 @@ from pdserve.services.common.grpc_limits import grpc_limits
 from pdserve.services.common.grpc_standard import (StandardHealth, add_standard_services,
                                                     service_names)
 from pdserve.services.common.signals import wait_for_signal
+from pdserve.services.common.tls import add_port
 from pdserve.common.telemetry.engine_metrics import EngineMetrics
 from pdserve.common.telemetry.tracing import Tracing, setup_tracing
 from pdserve.services.engine_host.async_engine import AsyncEngine
@@ -94,7 +95,7 @@ async def start_engine_server(cfg: EngineServiceConfig, core,
     if cfg.role in ("unified", "decode"):
         pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine, info, tel), server)
     health = add_standard_services(server, _engine_services(cfg.role), lambda: engine.healthy)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    port = add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls)
     if port == 0:
         engine.stop()
         raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
@@ -119,8 +120,8 @@ async def run_engine_server(cfg: EngineServiceConfig) -> None:
     tracing = setup_tracing(f"pdserve-{cfg.role}", otlp_endpoint=cfg.otlp_endpoint or None)
     core = build_core(cfg)
     running = await start_engine_server(cfg, core, tracing)
-    log.info("%s engine service for %s listening on %s:%d", cfg.role, cfg.model, cfg.host,
-             running.port)
+    log.info("%s engine service for %s listening on %s:%d (%s)", cfg.role, cfg.model, cfg.host,
+             running.port, "mutual TLS" if cfg.tls.enabled else "plaintext")
     if cfg.metrics_port:
         log.info("Prometheus metrics on http://%s:%d/metrics", cfg.host, cfg.metrics_port)
     from pdserve.services.registry.engine_snapshot import engine_heartbeat

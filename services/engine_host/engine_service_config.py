@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pdserve.common.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from pdserve.services.common.tls import TlsConfig
 from pdserve.services.engine_host.health import ROLES
 from pdserve.services.engine_host.kv_connector_factory import ROLE_TO_KV, KVStoreSettings
 
@@ -42,6 +43,7 @@ class EngineServiceConfig:
     grpc_max_message_bytes: int = 4 * 1024 * 1024
     grpc_max_concurrent_rpcs: int = 2048
     weights: str = EngineConfig.weights  # packed | fp32 (quantized GGUF matrices kept packed)
+    tls: TlsConfig = TlsConfig()  # mutual TLS on the gRPC port; empty -> plaintext
 
     def __post_init__(self):
         if self.role not in ROLES:

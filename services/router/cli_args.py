@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.services.common.tls_args import add_tls_args, tls_from_args
 from pdserve.services.router.admission.admission_config import AdmissionConfig
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.dispatch.fallback_config import FallbackConfig
@@ -24,6 +25,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenant-secret-file", default=RouterConfig.tenant_secret_file,
                    help="the secret that keys tenants' cache salts; routers sharing a cache "
                         "need the same one (default: random per start)")
+    add_tls_args(p)  # the gRPC API and the channels to the engines
     r = p.add_argument_group("routing")
     r.add_argument("--decode-policy", choices=POLICIES, default="kv_aware")
     r.add_argument("--prefill-policy", choices=POLICIES, default="kv_aware")
@@ -114,4 +116,5 @@ def router_config(args, addresses) -> RouterConfig:
         min_prefill_tokens=args.min_prefill_tokens, prefill_timeout_s=args.prefill_timeout,
         max_prefill_queue_tokens=args.max_prefill_queue_tokens, registry_url=args.registry,
         api_key_file=args.api_key_file, tenant_secret_file=args.tenant_secret_file,
-        routing=routing, admission=admission, fallback=fallback, limits=limits)
+        routing=routing, admission=admission, fallback=fallback, limits=limits,
+        tls=tls_from_args(args, "router"))

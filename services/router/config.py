@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.services.common.tls import TlsConfig
 from pdserve.services.router.admission.admission_config import AdmissionConfig
 from pdserve.services.router.dispatch.fallback_config import FallbackConfig
 from pdserve.services.router.limits_config import LimitsConfig
@@ -46,6 +47,8 @@ class RouterConfig:
     admission: AdmissionConfig = AdmissionConfig()
     fallback: FallbackConfig = FallbackConfig()
     limits: LimitsConfig = LimitsConfig()
+    # Mutual TLS for the router's gRPC API and its channels to the engines; empty: plaintext
+    tls: TlsConfig = TlsConfig()
 
     def __post_init__(self):
         if not self.model:

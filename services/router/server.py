@@ -28,6 +28,7 @@ from pdserve.services.common.grpc_limits import grpc_limits
 from pdserve.services.common.grpc_standard import (StandardHealth, add_standard_services,
                                                     service_names)
 from pdserve.services.common.signals import wait_for_signal
+from pdserve.services.common.tls import add_port
 from pdserve.services.router.routing.backends import BackendPool
 from pdserve.services.registry.config import RegistryConfig
 from pdserve.services.router.config import RouterConfig
@@ -97,7 +98,7 @@ async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
         pb_grpc.add_RouterServicer_to_server(RouterServicer(state), grpc_server)
         health = add_standard_services(grpc_server, service_names((pb.DESCRIPTOR, "Router")),
                                        lambda: bool(state.pool.healthy))
-        grpc_port = grpc_server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        grpc_port = add_port(grpc_server, f"{cfg.host}:{cfg.grpc_port}", cfg.tls)
         if grpc_port == 0:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.grpc_port}")
         await grpc_server.start()
@@ -126,7 +127,8 @@ def _pool(cfg: RouterConfig, metrics: RouterMetrics, addresses, kind: str) -> Ba
     policy = cfg.routing.decode_policy if kind == "decode" else cfg.routing.prefill_policy
     return BackendPool(plain, metrics, cfg.health_interval_s, cfg.health_timeout_s,
                        cfg.unhealthy_after, kind=kind, policy=make_policy(policy, cfg.routing),
-                       fallback=cfg.fallback, memory_blocks=cfg.routing.prefix_memory_blocks)
+                       fallback=cfg.fallback, memory_blocks=cfg.routing.prefix_memory_blocks,
+                       tls=cfg.tls)
 
 
 async def _watchers(cfg: RouterConfig, decode: BackendPool, prefill) -> tuple:

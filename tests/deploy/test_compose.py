@@ -165,10 +165,18 @@ def serve_args(command: list[str]) -> list[str]:
     return command
 
 
+# What the secrets step writes, for parsing commands that read a flag from it (`@FILE`)
+SECRET_FILES = {"/etc/pdserve/redis-auth/redis-url": "redis://:pw@redis:6379/0"}
+
+
+def with_secret_files(argv: list[str]) -> list[str]:
+    return [SECRET_FILES[w[1:]] if w.startswith("@") else w for w in argv]
+
+
 def parse(argv: list[str]):
     from pdserve.cli import build_parser
 
-    return build_parser().parse_args(argv)
+    return build_parser().parse_args(with_secret_files(argv))
 
 
 def cli_default(service: str, flag: str):
@@ -266,6 +274,9 @@ def test_every_service_command_parses_with_the_pdserve_cli():
         for name, svc in doc["services"].items():
             if "command" not in svc or svc.get("image", "").startswith(("redis", "otel", "prom")):
                 continue
+            if name == "secrets":
+                assert parse(svc["command"]).command == "certs"
+                continue
             args = parse(serve_args(svc["command"]))
             assert args.command == "serve" and callable(args.func), (path.name, name)
 
@@ -330,14 +341,20 @@ def test_commands_published_ports_and_health_checks_name_the_same_ports(env):
         elif args.service == "kvstore":
             assert mode == "kvstore-master"
             assert test[3] == f"{args.host}:{args.port}"
-            redis_port = int(re.search(r":(\d+)/", args.redis_url).group(1))
+            # the URL is the file the secrets step writes, made from its --redis-url
+            cmd = svc["command"]
+            assert cmd[cmd.index("--redis-url") + 1] == "@/etc/pdserve/redis-auth/redis-url"
+            secrets = parse(svcs["secrets"]["command"])
+            assert secrets.redis_auth_out == "/etc/pdserve/redis-auth"
+            redis_port = int(re.search(r":(\d+)/", secrets.redis_url).group(1))
             assert redis_port == int(env.get("REDIS_PORT", 6379))
         else:
             pytest.fail(f"unexpected service {args.service}")
         hc.build_arg_parser().parse_args(test[2:])  # and the check's own argv parses
     redis = svcs["redis"]
     assert redis["command"][redis["command"].index("--port") + 1] == env.get("REDIS_PORT", "6379")
-    assert redis["healthcheck"]["test"][-3:] == ["-p", env.get("REDIS_PORT", "6379"), "ping"]
+    test = redis["healthcheck"]["test"]
+    assert test[0] == "CMD-SHELL" and f"redis-cli -p {env.get('REDIS_PORT', '6379')} ping" in test[1]
 
 
 def test_router_backends_name_the_prefill_and_decode_services():
@@ -366,6 +383,9 @@ def test_health_and_dependencies():
     for name, svc in svcs.items():
         for dep, cond in svc.get("depends_on", {}).items():
             assert dep in svcs, (name, dep)
+            if dep == "secrets":  # a one-shot step: done, not healthy
+                assert cond["condition"] == "service_completed_successfully", name
+                continue
             assert cond["condition"] == "service_healthy", (name, dep)
             assert "healthcheck" in svcs[dep], f"{name} waits for {dep}, which has no check"
     assert svcs["kvstore"]["depends_on"] == {"redis": {"condition": "service_healthy"}}
@@ -373,7 +393,7 @@ def test_health_and_dependencies():
         assert "kvstore" in svcs[engine]["depends_on"]
     # the profiles: CPU stack by default, CUDA and observability opt-in
     assert {n for n, s in svcs.items() if "profiles" not in s} == {
-        "redis", "kvstore", "prefill", "decode", "router"}
+        "secrets", "redis", "kvstore", "prefill", "decode", "router"}
     assert svcs["decode-gpu"]["profiles"] == ["gpu"]
     for gpu in ("prefill-gpu", "decode-gpu"):  # the engine really runs on the device
         cmd = svcs[gpu]["command"]
@@ -389,14 +409,22 @@ def test_health_and_dependencies():
 
 def test_named_volumes_only_where_state_lives():
     doc = load_compose()
-    assert set(doc["volumes"]) == {"redis-data", "prometheus-data"}
-    named = {}
+    assert set(doc["volumes"]) == {"redis-data", "prometheus-data", "pdserve-tls", "redis-auth"}
+    named: dict[str, set] = {}
+    writers: dict[str, set] = {}
     for name, svc in doc["services"].items():
         for vol in svc.get("volumes", []):
             source = vol.split(":")[0]
             if not source.startswith((".", "/")):
-                named[source] = name
-    assert named == {"redis-data": "redis", "prometheus-data": "prometheus"}
+                named.setdefault(source, set()).add(name)
+                if not vol.endswith(":ro"):
+                    writers.setdefault(source, set()).add(name)
+    assert named["redis-data"] == {"redis"} and named["prometheus-data"] == {"prometheus"}
+    # the secrets: written by the secrets step only; the Redis password reaches Redis and
+    # the KV store only
+    assert writers["pdserve-tls"] == writers["redis-auth"] == {"secrets"}
+    assert named["redis-auth"] == {"secrets", "redis", "kvstore"}
+    assert named["pdserve-tls"] >= {"secrets", "kvstore", "prefill", "decode", "router"}
     redis = doc["services"]["redis"]
     assert redis["command"][redis["command"].index("--dir") + 1] == "/data"
 
@@ -485,7 +513,7 @@ def test_healthcheck_auto_mode_parses_like_the_cli():
     `serve` parser; for every compose command it sees what pdserve's own parser sees."""
     hc = healthcheck_parser()
     for name in PDSERVE_SERVICES:
-        cmd = load_compose()["services"][name]["command"]
+        cmd = with_secret_files(load_compose()["services"][name]["command"])
         cmdline = ["/opt/venv/bin/python", "/opt/venv/bin/pdserve", *cmd]
         ours = vars(hc.serve_parser().parse_args(hc.serve_argv(cmdline)))
         theirs = vars(parse(cmd))

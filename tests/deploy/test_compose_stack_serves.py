@@ -7,10 +7,11 @@ file's variables, where the only changes are what a container network gives for 
   - PDSERVE_MODEL=tiny, MAX_MODEL_LEN=512 and a small KV_CACHE_BYTES (also just variables);
   - service host names (redis, kvstore, decode, ...) and 0.0.0.0 become 127.0.0.1;
   - the image's entrypoint `pdserve` is `python -m pdserve.cli`, `pdserve-healthcheck` is
-    deploy/docker/healthcheck.py, Redis is Debian's redis-server, and its /data volume a
-    temporary directory.
-Services start in depends_on order, each dependency waited for with its own compose health
-check command (condition: service_healthy). Then a chat completion goes through the router
+    deploy/docker/healthcheck.py, Redis is Debian's redis-server, and its /data volume and the
+    secrets volumes under /etc/pdserve temporary directories.
+The one-shot secrets step runs first (a CA, per-role certificates, Redis's password); then the
+services start in depends_on order, each dependency waited for with its own compose health
+check command (condition: service_healthy), the engines and the router on mutual TLS. Then a chat completion goes through the router
 the disaggregated way (prefill computes the prompt and saves its KV blocks in the store,
 decode loads them and finishes), and the image's argument-less health check (auto mode)
 passes for every pdserve process.
@@ -32,7 +33,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 HEALTHCHECK = ROOT / "deploy" / "docker" / "healthcheck.py"
-STACK = ["redis", "kvstore", "prefill", "decode", "router"]
+STACK = ["secrets", "redis", "kvstore", "prefill", "decode", "router"]
 SERVICE_HOSTS = ("redis", "kvstore", "prefill", "decode", "router")
 PORT_VARS = ("REDIS_PORT", "KVSTORE_PORT", "PREFILL_PORT", "DECODE_PORT", "ROUTER_PORT",
              "ROUTER_GRPC_PORT")
@@ -62,10 +63,14 @@ def localize(argv: list[str], tmp: Path) -> list[str]:
             word = "127.0.0.1"
         elif prev == "--dir" and word == "/data":
             word = str(tmp)
+        elif prev == "--dns":
+            pass  # certificate names, not addresses
         else:
             word = host_re.sub("127.0.0.1", word)
-        out.append(word)
-    if out[0] == "serve":
+        out.append(word.replace("/etc/pdserve/", f"{tmp}/etc-pdserve/"))  # the volumes
+    if out[0] == "CMD-SHELL":
+        return ["sh", "-c", out[1]]
+    if out[0] in ("serve", "certs"):
         return [sys.executable, "-m", "pdserve.cli", *out]
     if out[0] == "pdserve-healthcheck":
         return [sys.executable, str(HEALTHCHECK), *out[1:]]
@@ -112,14 +117,14 @@ def wait_healthy(proc: Proc, check: list[str], timeout_s: float) -> None:
                 f"{check}: {last.stdout}{last.stderr}\n{proc.tail()}")
 
 
-def _finished(address: str, service: str) -> int:
-    import grpc
-
+def _finished(address: str, service: str, tls_dir: Path) -> int:
     from pdserve.common.rpc import engine_pb2 as pb
     from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
+    from pdserve.services.common.tls import TlsConfig, open_channel
 
     stub = pb_grpc.PrefillServiceStub if service == "prefill" else pb_grpc.DecodeServiceStub
-    with grpc.insecure_channel(address) as ch:
+    with open_channel(address, TlsConfig.from_dir(str(tls_dir), "client"), service,
+                      aio=False) as ch:
         return stub(ch).GetLoad(pb.LoadRequest(), timeout=5).num_finished
 
 
@@ -140,15 +145,34 @@ def test_compose_stack_serves_a_chat_completion(tmp_path, redis_available):
     services = compose.load_compose(env=env)["services"]
     data = tmp_path / "redis-data"
     data.mkdir()
+    tls_dir = data / "etc-pdserve" / "tls"
     procs: dict[str, Proc] = {}
     try:
         for name in STACK:
             svc = services[name]
             for dep, cond in svc.get("depends_on", {}).items():
-                assert cond["condition"] == "service_healthy" and dep in procs, (name, dep)
+                want = "service_completed_successfully" if dep == "secrets" else \
+                    "service_healthy"
+                assert cond["condition"] == want and dep in procs, (name, dep)
             procs[name] = Proc(name, localize(svc["command"], data), tmp_path)
-            check = localize(svc["healthcheck"]["test"][1:], data)
+            if name == "secrets":  # one-shot
+                assert procs[name].popen.wait(60) == 0, procs[name].tail()
+                continue
+            test = svc["healthcheck"]["test"]
+            check = localize(test if test[0] == "CMD-SHELL" else test[1:], data)
             wait_healthy(procs[name], check, timeout_s=180)
+        # Redis wants its password; the engines want a certificate
+        noauth = subprocess.run([shutil.which("redis-cli"), "-p", env["REDIS_PORT"], "ping"],
+                                capture_output=True, text=True, timeout=10)
+        assert "NOAUTH" in noauth.stdout + noauth.stderr
+        import grpc
+
+        from pdserve.common.rpc import engine_pb2 as pb
+        from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{env['DECODE_PORT']}") as ch, \
+                pytest.raises(grpc.RpcError):
+            pb_grpc.DecodeServiceStub(ch).Health(pb.HealthRequest(), timeout=5)
 
         base = f"http://127.0.0.1:{env['ROUTER_PORT']}"
         with httpx.Client(base_url=base, timeout=120) as client:
@@ -167,7 +191,7 @@ def test_compose_stack_serves_a_chat_completion(tmp_path, redis_available):
         # It went the disaggregated way: prefill computed the prompt, decode the rest.
         for name, service in (("prefill", "prefill"), ("decode", "decode")):
             port = env["PREFILL_PORT" if name == "prefill" else "DECODE_PORT"]
-            assert _finished(f"127.0.0.1:{port}", service) >= 1, name
+            assert _finished(f"127.0.0.1:{port}", service, tls_dir) >= 1, name
         hc = _compose_module().healthcheck_parser()
         stats = hc._master_stats(f"127.0.0.1:{env['KVSTORE_PORT']}")
         assert stats.objects >= 1 and len(stats.nodes) == 1  # the prompt's blocks, stored

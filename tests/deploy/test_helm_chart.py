@@ -106,7 +106,19 @@ def expanded_args(docs, container) -> list[str]:
         for name in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", word):
             assert name in env, f"$({name}) in {container['name']} args has no value"
         args.append(re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env[m.group(1)], word))
-    return args
+    return [mounted_file(docs, container, w[1:]) if w.startswith("@") else w for w in args]
+
+
+def mounted_file(docs, container, path: str) -> str:
+    """What `--flag @PATH` reads (services/common/arg_files.py): PATH in a Secret volume."""
+    spec = next(w["spec"]["template"]["spec"] for w in workloads(docs).values()
+                if container in w["spec"]["template"]["spec"]["containers"])
+    folder, _, name = path.rpartition("/")
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == folder)
+    source = next(v for v in spec["volumes"] if v["name"] == mount["name"])["secret"]
+    key = next(i["key"] for i in source["items"] if i["path"] == name)
+    secret = by_kind(docs, "Secret").get(source["secretName"])
+    return secret["stringData"][key] if secret else "redis://user-secret:6379/0"
 
 
 def parse(argv):
@@ -341,7 +353,8 @@ def test_redis_bundled_or_external(chart):
     sts = by_kind(docs, "StatefulSet")[f"{FULL}-redis"]
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     secret = by_kind(docs, "Secret")[FULL]["stringData"]
-    assert secret["redis-url"] == f"redis://{FULL}-redis:6379/0"
+    password = secret["redis-password"]  # random per install, in the URL the master reads
+    assert len(password) == 32 and secret["redis-url"] == f"redis://:{password}@{FULL}-redis:6379/0"
     docs, _ = render(chart, SCENARIOS["external-redis"])
     assert not by_kind(docs, "StatefulSet")
     assert f"{FULL}-redis" not in by_kind(docs, "Service")
@@ -349,9 +362,10 @@ def test_redis_bundled_or_external(chart):
         SCENARIOS["external-redis"]["redis"]["external"]["url"]
     docs, _ = render(chart, EXISTING_SECRET)
     assert FULL not in by_kind(docs, "Secret")
-    master = by_kind(docs, "Deployment")[f"{FULL}-kvstore-master"]
-    ref = master["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]
-    assert ref["secretKeyRef"] == {"name": "my-redis", "key": "url"}
+    master = by_kind(docs, "Deployment")[f"{FULL}-kvstore-master"]["spec"]["template"]["spec"]
+    url = next(v for v in master["volumes"] if v["name"] == "redis-url")["secret"]
+    assert url["secretName"] == "my-redis" and url["items"] == [{"key": "url", "path": "url"}]
+    assert "env" not in master["containers"][0]  # a file, not an environment variable
 
 
 def test_services_select_pods_and_name_their_ports(chart):

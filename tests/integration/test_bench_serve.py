@@ -60,7 +60,7 @@ def test_bench_serve_cli_writes_result_table_and_plots(stack, tmp_path):
 
 def test_sweep_over_grpc_draws_the_attainment_curve(stack, tmp_path):
     serve = ServeConfig(
-        target=TargetConfig(api="grpc", grpc_addr=stack.grpc_addr),
+        target=TargetConfig(api="grpc", grpc_addr=stack.grpc_addr, tls_dir=stack.tls_dir),
         workload=WorkloadConfig(num_prompts=4, input_len=LengthDist("fixed", 16),
                                 output_len=LengthDist("fixed", 4)),
         arrivals=ArrivalConfig("poisson"), slos=(TierSLO("*", ttft_s=1e-6),),

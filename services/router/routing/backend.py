@@ -18,6 +18,7 @@ import grpc
 
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
+from pdserve.services.common.tls import TlsConfig, open_channel
 from pdserve.services.registry.record import PREFIX_BYTES
 from pdserve.services.router.routing.breaker import CircuitBreaker
 
@@ -34,12 +35,12 @@ class InstanceLoad:
 
 class Backend:
     def __init__(self, address: str, kind: str = "decode",
-                 breaker: Optional[CircuitBreaker] = None):
+                 breaker: Optional[CircuitBreaker] = None, tls: TlsConfig = TlsConfig()):
         if kind not in ("decode", "prefill"):
             raise ValueError(f"kind must be decode or prefill, got {kind!r}")
         self.address = address
         self.kind = kind
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = open_channel(address, tls, server_role=kind)  # a unified engine: decode
         self.decode = pb_grpc.DecodeServiceStub(self.channel)
         self.prefill = pb_grpc.PrefillServiceStub(self.channel)
         self.service = self.decode if kind == "decode" else self.prefill  # Health, GetLoad

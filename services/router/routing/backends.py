@@ -24,6 +24,7 @@ import grpc
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.telemetry.metrics import RouterMetrics
 from pdserve.services.common.periodic import Periodic
+from pdserve.services.common.tls import TlsConfig
 from pdserve.services.router.routing.backend import Backend, Lease
 from pdserve.services.router.routing.breaker import CircuitBreaker
 from pdserve.services.router.routing.candidate import Candidate, RouteRequest
@@ -39,8 +40,10 @@ _RETIRE_S = 60.0
 class BackendPool:
     def __init__(self, addresses: tuple[str, ...], metrics: RouterMetrics, interval_s: float,
                  timeout_s: float, unhealthy_after: int, kind: str = "decode", policy=None,
-                 fallback: FallbackConfig = FallbackConfig(), memory_blocks: int = 65536):
+                 fallback: FallbackConfig = FallbackConfig(), memory_blocks: int = 65536,
+                 tls: TlsConfig = TlsConfig()):
         self.kind = kind
+        self._tls = tls  # every instance's channel: mutual TLS when set
         self._fallback = fallback
         self.backends = [self._new(a) for a in addresses]
         self._static = set(addresses)
@@ -55,7 +58,8 @@ class BackendPool:
 
     def _new(self, address: str) -> Backend:
         f = self._fallback
-        return Backend(address, self.kind, CircuitBreaker(f.breaker_failures, f.breaker_open_s))
+        return Backend(address, self.kind, CircuitBreaker(f.breaker_failures, f.breaker_open_s),
+                       tls=self._tls)
 
     async def start(self) -> None:
         await self.check_all()

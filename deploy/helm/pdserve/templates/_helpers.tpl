@@ -126,3 +126,88 @@ envFrom:
   - configMapRef:
       name: {{ include "pdserve.fullname" . }}
 {{- end -}}
+
+{{/* ---- Security: TLS, writable scratch space, checkov notes (see docs/security.md). ---- */}}
+
+{{- define "pdserve.tlsMountPath" -}}/etc/pdserve/tls{{- end -}}
+
+{{/* `, "--tls-dir", "<mount>"` for a service's args when mutual TLS is on. (list $ role) */}}
+{{- define "pdserve.tlsArgs" -}}
+{{- $ctx := index . 0 -}}
+{{- if $ctx.Values.tls.enabled -}}
+, "--tls-dir", {{ include "pdserve.tlsMountPath" $ctx | quote }}
+{{- end -}}
+{{- end -}}
+
+{{/* The Secret with a role's certificate: ca.pem, <role>.pem, <role>-key.pem (generate,
+secret), or cert-manager's ca.crt, tls.crt, tls.key. (list $ role) */}}
+{{- define "pdserve.tlsVolume" -}}
+{{- $ctx := index . 0 -}}
+{{- $role := index . 1 -}}
+{{- if $ctx.Values.tls.enabled }}
+- name: tls
+  secret:
+    defaultMode: 0440
+    {{- if eq $ctx.Values.tls.source "certManager" }}
+    secretName: {{ include "pdserve.component" (list $ctx (printf "tls-%s" $role)) }}
+    items:
+      - {key: ca.crt, path: ca.pem}
+      - {key: tls.crt, path: {{ printf "%s.pem" $role }}}
+      - {key: tls.key, path: {{ printf "%s-key.pem" $role }}}
+    {{- else }}
+    {{- if eq $ctx.Values.tls.source "secret" }}
+    secretName: {{ required "tls.existingSecret is required with tls.source=secret" $ctx.Values.tls.existingSecret }}
+    {{- else }}
+    secretName: {{ include "pdserve.component" (list $ctx "tls") }}
+    {{- end }}
+    items:  # only this role's key reaches the pod
+      - {key: ca.pem, path: ca.pem}
+      - {key: {{ printf "%s.pem" $role }}, path: {{ printf "%s.pem" $role }}}
+      - {key: {{ printf "%s-key.pem" $role }}, path: {{ printf "%s-key.pem" $role }}}
+    {{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.tlsMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ include "pdserve.tlsMountPath" . }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* The root filesystem is read-only: scratch space where the services write. */}}
+{{- define "pdserve.scratchVolumes" -}}
+- name: tmp
+  emptyDir: {sizeLimit: 1Gi}
+- name: home
+  emptyDir: {sizeLimit: 2Gi}
+{{- end -}}
+
+{{- define "pdserve.scratchMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: home
+  mountPath: /home/pdserve  # $HOME: torch / Triton caches
+{{- end -}}
+
+{{/* Checks the chart leaves to the operator, said where checkov reads them. */}}
+{{- define "pdserve.checkovSkips" -}}
+checkov.io/skip1: {{ "CKV_K8S_43=Image digests are the operator's choice: set image.tag (or redis.image) to a digest, repo@sha256:..., to pin one" | quote }}
+checkov.io/skip2: {{ "CKV_K8S_15=imagePullPolicy is the operator's choice (image.pullPolicy): IfNotPresent suits pinned tags and digests, Always suits moving ones" | quote }}
+{{- end -}}
+
+{{/* The Redis password: the value given, the one an earlier install made (kept on upgrade),
+or a new random one. */}}
+{{- define "pdserve.redisPassword" -}}
+{{- if .Values.redis.auth.password -}}
+{{- .Values.redis.auth.password -}}
+{{- else -}}
+{{- $old := lookup "v1" "Secret" .Release.Namespace (include "pdserve.fullname" .) -}}
+{{- if and $old $old.data (hasKey $old.data "redis-password") -}}
+{{- index $old.data "redis-password" | b64dec -}}
+{{- else -}}
+{{- randAlphaNum 32 -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
