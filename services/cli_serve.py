@@ -25,6 +25,13 @@ def add_subcommands(subparsers) -> None:
     up.add_argument("--engine-port", type=int, default=0, help="engine gRPC; 0 -> a free port")
     up.add_argument("--log-dir", default=None, help="default: a new folder under /tmp")
     up.add_argument("--startup-timeout", type=float, default=300.0)
+    up.add_argument("--discovery", choices=["registry", "static"], default="registry",
+                    help="registry: engines register in a redis the launcher starts and the "
+                         "router watches it; static: the router gets the address lists")
+    up.add_argument("--replicas", type=int, default=1, help="colocated: unified engines")
+    up.add_argument("--router-arg", action="append", default=[], metavar="WORD",
+                    help="one more word for the router's command line (repeatable), e.g. "
+                         "--router-arg=--decode-policy --router-arg=round_robin")
     _engine_args(up)
     _disagg_up_args(up)
     up.set_defaults(func=_run_up)
@@ -95,6 +102,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _disagg_up_args(up: argparse.ArgumentParser) -> None:
     g = up.add_argument_group("disagg mode")
+    g.add_argument("--prefill", type=int, default=1, help="prefill instances")
+    g.add_argument("--decode", type=int, default=1, help="decode instances")
     g.add_argument("--prefill-cpus", default="", help="pin prefill to these cores, e.g. 0")
     g.add_argument("--decode-cpus", default="", help="pin decode to these cores, e.g. 1")
     g.add_argument("--prefill-threads", type=int, default=1, help="torch threads of prefill")
@@ -205,6 +214,9 @@ def _addresses(text: str) -> tuple[str, ...]:
 def _run_up(args) -> int:
     from pdserve.services.launcher import run_up
 
+    for name in ("replicas", "prefill", "decode"):
+        if not 1 <= getattr(args, name) <= 64:
+            raise ValueError(f"--{name} must be in [1, 64], got {getattr(args, name)}")
     return run_up(args)
 
 
