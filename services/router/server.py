@@ -107,7 +107,8 @@ def _pool(cfg: RouterConfig, metrics: RouterMetrics, addresses, kind: str) -> Ba
     policy = cfg.routing.decode_policy if kind == "decode" else cfg.routing.prefill_policy
     return BackendPool(plain, metrics, cfg.health_interval_s, cfg.health_timeout_s,
                        cfg.unhealthy_after, kind=kind, policy=make_policy(policy, cfg.routing),
-                       fallback=cfg.fallback, memory_blocks=cfg.routing.prefix_memory_blocks)
+                       fallback=cfg.fallback, memory_blocks=cfg.routing.prefix_memory_blocks,
+                       expect_model=cfg.model)
 
 
 async def _watchers(cfg: RouterConfig, decode: BackendPool, prefill) -> tuple:
@@ -120,8 +121,8 @@ async def _watchers(cfg: RouterConfig, decode: BackendPool, prefill) -> tuple:
     if cfg.registry_url:
         reg = RegistryConfig(cfg.registry_url, ttl_s=max(3.0, 2 * cfg.registry_interval_s),
                              interval_s=cfg.registry_interval_s)
-        watchers.append(await RegistryWatcher(reg, {"decode": decode,
-                                                    "prefill": prefill}).start())
+        watchers.append(await RegistryWatcher(reg, {"decode": decode, "prefill": prefill},
+                                              model=cfg.model).start())
     return tuple(watchers)
 
 
