@@ -1,5 +1,7 @@
 """DecodeService: streams a request's tokens from the engine; a cancelled call aborts it.
 
+A migrated request carries `resumed_token_ids`, the tokens another instance had streamed
+before it failed: the engine continues after them (see EngineCore.add_request).
 A request may continue a prefill done elsewhere: with `first_token_id` the engine appends that
 token (already delivered to the client) and streams only what follows; `block_keys` name the
 prompt blocks stored in the KV store, which the engine's consumer connector loads instead of
@@ -55,9 +57,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         metrics = self._tel.metrics
         try:
             params = params_from_proto(request.params, salt)
+            resumed = {"resumed_token_ids": tuple(request.resumed_token_ids)} \
+                if request.resumed_token_ids else {}
             stream = await self._engine.submit(request.request_id or uuid.uuid4().hex,
                                                list(request.prompt_token_ids), params,
-                                               first_token_id=first, kv_params=kv_params)
+                                               first_token_id=first, kv_params=kv_params,
+                                               **resumed)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:

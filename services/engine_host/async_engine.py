@@ -38,6 +38,7 @@ class _Add:
     params: SamplingParams
     first_token_id: Optional[int] = None  # sampled by a prefill instance, already delivered
     kv_params: Optional[dict] = None  # hints for the KV connector (e.g. "block_keys")
+    resumed_token_ids: tuple = ()  # generated and delivered before a migration
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,8 @@ class AsyncEngine:
 
     async def submit(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, first_token_id: Optional[int] = None,
-                     kv_params: Optional[dict] = None) -> RequestStream:
+                     kv_params: Optional[dict] = None,
+                     resumed_token_ids: tuple = ()) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. With
         `first_token_id` generation continues after that token (see EngineCore.add_request).
 
@@ -105,7 +107,7 @@ class AsyncEngine:
             raise EngineDeadError("engine is not running")
         stream = RequestStream(request_id, self._max_pending, self._abort)
         self._commands.put(_Add(stream, list(prompt_token_ids), params, first_token_id,
-                                kv_params))
+                                kv_params, tuple(resumed_token_ids)))
         try:
             await stream.wait_accepted()
         except BaseException:
@@ -169,6 +171,8 @@ class AsyncEngine:
             hand_off = {}  # only for a continued request: plain engines keep their signature
             if cmd.first_token_id is not None or cmd.kv_params:
                 hand_off = dict(first_token_id=cmd.first_token_id, kv_params=cmd.kv_params)
+            if cmd.resumed_token_ids:
+                hand_off["resumed_token_ids"] = cmd.resumed_token_ids
             self.core.add_request(rid, cmd.prompt_token_ids, cmd.params, **hand_off)
         except ValueError as exc:
             self._loop.call_soon_threadsafe(stream.fail, exc)
