@@ -75,6 +75,8 @@ def add_subcommands(subparsers) -> None:
         _engine_args(p)
         _kv_args(p)
         _registry_args(p)
+        p.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="on SIGTERM: seconds running requests may take to finish")
         p.add_argument("--metrics-port", type=int, default=0,
                        help="serve Prometheus /metrics over HTTP on this port; 0 -> none")
         p.add_argument("--otlp-endpoint", default="",
@@ -189,6 +191,7 @@ def _run_engine(args) -> int:
         kv_store=args.kv_store, kv_transport=args.kv_transport, kv_lease_s=args.kv_lease,
         kv_load_timeout_s=args.kv_load_timeout, metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint, device=args.device,
+        drain_timeout_s=args.drain_timeout,
         attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm)
     asyncio.run(run_engine_server(cfg))
     return 0

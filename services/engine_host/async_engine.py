@@ -67,6 +67,8 @@ class AsyncEngine:
         self._dead: Optional[BaseException] = None
         self.num_aborted = 0  # unfinished requests aborted by their readers (engine thread)
         self.num_finished = 0  # requests that ended by stop or length (engine thread)
+        self._draining = False  # set once by begin_drain(): no new requests
+        self.busy = False  # requests or KV saves still open (engine thread writes)
 
     # --- event loop side ---
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -82,7 +84,22 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._dead is None
+        """Running and taking requests (Health says NOT_SERVING while draining)."""
+        return (self._thread is not None and self._thread.is_alive() and self._dead is None
+                and not self._draining)
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (EngineDeadError -> UNAVAILABLE, which routers retry
+        elsewhere); those already running go on to their end."""
+        self._draining = True
+
+    async def drained(self, timeout_s: float, poll_s: float = 0.05) -> bool:
+        """Waits until no request runs and no KV save is pending (True), or timeout_s."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.busy and self._dead is None and loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+        return not self.busy
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -103,6 +120,8 @@ class AsyncEngine:
         Raises ValueError when the engine refuses the request (and nothing is left behind),
         EngineDeadError when the engine is gone. Callers must `close()` the stream.
         """
+        if self._draining:
+            raise EngineDeadError("draining: this instance is shutting down")
         if not self.healthy:
             raise EngineDeadError("engine is not running")
         stream = RequestStream(request_id, self._max_pending, self._abort)
@@ -132,6 +151,7 @@ class AsyncEngine:
                     self._timelines.observe(t0, t1)  # before publishing: see RequestTimeline
                     self._publish(outputs, t1)
                 self._stats = self.core.stats()
+                self.busy = bool(self._streams) or self.core.has_unfinished_requests()
                 if time.monotonic() >= self._summary_due:
                     self.cached_block_hashes = cache_summary(self.core)
                     self._summary_due = time.monotonic() + SUMMARY_PERIOD_S
@@ -178,6 +198,7 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(stream.fail, exc)
             return
         self._streams[rid] = stream
+        self.busy = True
         self._timelines.watch(rid, stream.timeline)
         self._loop.call_soon_threadsafe(stream.accept)
 

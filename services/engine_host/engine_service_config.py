@@ -27,6 +27,7 @@ class EngineServiceConfig:
     kv_cache_bytes: Optional[int] = None
     max_pending_outputs: int = 8  # per stream, before outputs are merged for a slow reader
     grace_s: float = 2.0  # on shutdown, how long calls in flight may finish
+    drain_timeout_s: float = 30.0  # on SIGTERM, how long running requests may finish
     kv_store: str = ""  # KV store master host:port; "" -> no KV connector
     kv_transport: str = "auto"  # how to reach the storage nodes: auto | ucx | tcp
     kv_lease_s: float = 30.0  # stored blocks are not evicted for this long
@@ -50,6 +51,8 @@ class EngineServiceConfig:
             raise ValueError(f"cpus must be core indices >= 0, got {self.cpus}")
         if self.max_pending_outputs < 1:
             raise ValueError(f"max_pending_outputs must be >= 1, got {self.max_pending_outputs}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         self.engine_config()  # the engine's own checks, now rather than after startup
