@@ -5,6 +5,8 @@ Lifecycle: `await FakeInstance.start(role)` listens on a free loopback port; `st
 it. Decode streams `tokens` token ids (the prompt's last id + 1, + 2, ...) after an accepted
 message; `calls` counts Decode/Prefill calls it served. `fail_after = n` makes Decode fail
 with UNAVAILABLE after its n-th token (an instance dying mid-stream, for the ladder's tests).
+A migrated request (`resumed_token_ids`) continues the same sequence after them, as a real
+engine's greedy output would.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ class _Servicer(pb_grpc.DecodeServiceServicer, pb_grpc.PrefillServiceServicer):
         n = len(request.prompt_token_ids)
         if self.s.delay_s:
             await asyncio.sleep(self.s.delay_s)
-        for i in range(1, self.s.tokens + 1):
-            if self.s.fail_after is not None and i > self.s.fail_after:
+        before = len(request.resumed_token_ids)
+        for i in range(before + 1, self.s.tokens + 1):
+            if self.s.fail_after is not None and i - before > self.s.fail_after:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "instance died mid-stream")
             done = i == self.s.tokens
             yield pb.DecodeResponse(

@@ -31,6 +31,13 @@ def add_subcommands(subparsers) -> None:
                     "services (default: mutual TLS with a fresh CA made for this run)")
     up.add_argument("--tls-dir", default="", help="use these certificates (`pdserve certs "
                     "--out DIR`) instead of a fresh CA, e.g. to give gRPC clients one")
+    up.add_argument("--discovery", choices=["registry", "static"], default="registry",
+                    help="registry: engines register in a redis the launcher starts and the "
+                         "router watches it; static: the router gets the address lists")
+    up.add_argument("--replicas", type=int, default=1, help="colocated: unified engines")
+    up.add_argument("--router-arg", action="append", default=[], metavar="WORD",
+                    help="one more word for the router's command line (repeatable), e.g. "
+                         "--router-arg=--decode-policy --router-arg=round_robin")
     _engine_args(up)
     _disagg_up_args(up)
     up.set_defaults(func=_run_up)
@@ -77,6 +84,8 @@ def add_subcommands(subparsers) -> None:
         from pdserve.services.common.tls_args import add_tls_args
 
         add_tls_args(p)  # the engine's gRPC port (a unified engine uses the decode cert)
+        p.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="on SIGTERM: seconds running requests may take to finish")
         p.add_argument("--metrics-port", type=int, default=0,
                        help="serve Prometheus /metrics over HTTP on this port; 0 -> none")
         p.add_argument("--otlp-endpoint", default="",
@@ -107,6 +116,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _disagg_up_args(up: argparse.ArgumentParser) -> None:
     g = up.add_argument_group("disagg mode")
+    g.add_argument("--prefill", type=int, default=1, help="prefill instances")
+    g.add_argument("--decode", type=int, default=1, help="decode instances")
     g.add_argument("--prefill-cpus", default="", help="pin prefill to these cores, e.g. 0")
     g.add_argument("--decode-cpus", default="", help="pin decode to these cores, e.g. 1")
     g.add_argument("--prefill-threads", type=int, default=1, help="torch threads of prefill")
@@ -200,6 +211,7 @@ def _run_engine(args) -> int:
         kv_store=args.kv_store, kv_transport=args.kv_transport, kv_lease_s=args.kv_lease,
         kv_load_timeout_s=args.kv_load_timeout, metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint, device=args.device,
+        drain_timeout_s=args.drain_timeout,
         attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm, weights=args.weights,
         parallel=parallel_config(args),
         tls=tls_from_args(args, "prefill" if args.role == "prefill" else "decode"))
@@ -227,6 +239,9 @@ def _addresses(text: str) -> tuple[str, ...]:
 def _run_up(args) -> int:
     from pdserve.services.launcher import run_up
 
+    for name in ("replicas", "prefill", "decode"):
+        if not 1 <= getattr(args, name) <= 64:
+            raise ValueError(f"--{name} must be in [1, 64], got {getattr(args, name)}")
     return run_up(args)
 
 

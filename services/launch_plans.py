@@ -1,100 +1,186 @@
-"""What `pdserve up` starts, per mode, in start order, with each service's readiness check.
+"""What `pdserve up` starts, per mode, in start order, with each service's readiness check and
+the map of what runs where.
 
-colocated: one unified engine, then the router.
-disagg: redis-server (the KV store's metadata; installed with scripts/ensure_redis.sh when
-missing), the KV store (master and one storage node, one process), a prefill instance, a
-decode instance, then the router in disaggregated mode. Prefill and decode each get their own
-cores (`--prefill-cpus`, `--decode-cpus`, pinned with taskset) and torch thread counts.
+Discovery (`--discovery`): `registry` (the default) starts redis-server first; every engine
+heartbeats its address, role, model, fingerprint, block size, load and prefix-cache summary
+into it and the router watches it, so a restarted or added instance is found without the
+router being told. `static` passes the engines' addresses on the router's command line.
+colocated: `--replicas N` unified engines, then the router.
+disagg: the KV store (master and one storage node, one process; its metadata in the same
+redis), `--prefill N` prefill and `--decode M` decode instances, then the router.
+Secrets: with `tls_dir` (from `pdserve certs`, or the fresh CA `up` makes) every engine and the
+router speak mutual TLS; Redis gets a password kept in `secret_dir` (a private folder), which
+reaches the services as `--flag @FILE` (services/common/arg_files.py), never as argv.
+Cores: explicit `--cpus` / `--prefill-cpus` / `--decode-cpus` pin every instance of that kind
+there; otherwise, when the machine has at least one core per engine, each engine gets its own
+core (prefill instances first), and with fewer cores none is pinned (the map says so).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from pdserve.services.common.tls_args import tls_argv
-from pdserve.services.launcher import Child, Step, engine_serving, free_port, http_ok
+from pdserve.services.launcher import (Child, Step, engine_kv_budget, engine_serving, free_port,
+                                       http_ok)
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = [sys.executable, "-m", "pdserve.services.cli_serve", "serve"]
+REGISTRY_DB = 1  # the KV store's metadata lives in db 0 of the same redis
 
 
-def plan_stack(args, log_dir: Path, tls_dir: str = "",
-               secret_dir: str = "") -> tuple[list[Step], str]:
-    """(the services in start order, the endpoints banner); `tls_dir` (from `pdserve certs`):
-    the engines and the router speak mutual TLS with those certificates; `secret_dir`: a
-    private folder for Redis's password (disagg), which no command line names."""
-    if args.mode == "disagg":
+@dataclass(frozen=True)
+class Plan:
+    steps: list[Step]
+    layout: str  # the map of what runs where, printed before anything starts
+    endpoints: str  # the banner printed once everything is ready
+
+
+@dataclass(frozen=True)
+class _Engine:
+    name: str  # prefill0, decode1, unified0
+    role: str  # prefill | decode | unified
+    cpus: str
+    threads: int
+
+
+def plan_stack(args, log_dir: Path, tls_dir: str = "", secret_dir: str = "") -> Plan:
+    """`tls_dir`: the certificates every gRPC server and client of the stack uses ("" for
+    plaintext); `secret_dir`: a private folder for Redis's password (needed whenever the stack
+    starts Redis: registry discovery or disagg)."""
+    engines = _engines(args)
+    rows: list[tuple[str, str, str, str]] = []  # (name, address, cores, what)
+    steps: list[Step] = []
+    registry = ""
+    redis_urls: dict[int, str] = {}
+    if args.discovery == "registry" or args.mode == "disagg":
         if not secret_dir:
-            raise ValueError("disagg mode needs a private secret_dir for Redis's password")
-        return _disagg(args, log_dir, tls_dir, secret_dir)
-    return _colocated(args, log_dir, tls_dir)
+            raise ValueError("a stack with Redis needs a private secret_dir for its password")
+        redis_port = args.redis_port or free_port(args.host)
+        step, redis_urls = _redis(args, log_dir, redis_port, Path(secret_dir) / "redis")
+        steps.append(step)
+        registry = f"@{redis_urls[REGISTRY_DB]}"  # the URL file: the password stays off argv
+        rows.append(("redis", f"{args.host}:{redis_port}", "-",
+                     "instance registry" + (" + KV store metadata" if args.mode == "disagg"
+                                            else "")))
+    if args.discovery != "registry":
+        registry = ""
+    store = ""
+    if args.mode == "disagg":
+        store = f"{args.host}:{args.kv_store_port or free_port(args.host)}"
+        steps.append(_kvstore(args, log_dir, store, redis_urls[0], tls_dir))
+        rows.append(("kvstore", store, "-", f"KV store master + node, {args.kv_capacity_mib} MiB"))
+    addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for e in engines:
+        step, addr = _engine(args, log_dir, e, store, registry, tls_dir)
+        steps.append(step)
+        addrs["prefill" if e.role == "prefill" else "decode"].append(addr)
+        rows.append((e.name, addr, e.cpus or "any", f"{e.role}, {e.threads} torch thread(s)"))
+    steps.append(_router(args, log_dir, addrs, store, registry, tls_dir))
+    rows.append(("router", f"{args.host}:{args.port}", "any",
+                 f"HTTP; gRPC :{args.grpc_port}; discovery {args.discovery}"))
+    return Plan(steps, _layout(rows, engines), _banner(args, addrs, store, tls_dir))
 
 
-def _engine(args, log_dir: Path, name: str, argv: list[str], cpus: str, threads: int,
-            tls_dir: str, service: str = "decode") -> tuple[Step, str]:
-    from pdserve.services.cli_serve import engine_argv
-
-    port = args.engine_port if name == "engine-unified" and args.engine_port else \
-        free_port(args.host)
-    addr = f"{args.host}:{port}"
-    words = SERVE + argv + ["--host", args.host, "--port", str(port), "--model", args.model]
-    words += engine_argv(args, cpus=cpus, threads=threads) + tls_argv(tls_dir)
-    if cpus and shutil.which("taskset"):  # pinned from exec on, before any thread starts
-        words = ["taskset", "-c", cpus] + words
-    child = Child(name, words, log_dir)
-    return Step(child, lambda: engine_serving(addr, service, tls_dir)), addr
-
-
-def _router(args, log_dir: Path, backends: str, extra: list[str], tls_dir: str) -> Step:
-    child = Child("router", SERVE + [
-        "router", "--model", args.model, "--backends", backends, "--host", args.host,
-        "--port", str(args.port), "--grpc-port", str(args.grpc_port)] + extra
-        + tls_argv(tls_dir), log_dir)
-    return Step(child, lambda: http_ok(f"http://{args.host}:{args.port}/health"))
+def _engines(args) -> list[_Engine]:
+    """The engines of the mode with their cores (see the module docstring)."""
+    if args.mode == "disagg":
+        kinds = [("prefill", i, args.prefill_cpus, args.prefill_threads)
+                 for i in range(args.prefill)]
+        kinds += [("decode", i, args.decode_cpus, args.decode_threads)
+                  for i in range(args.decode)]
+    else:
+        kinds = [("unified", i, args.cpus, args.num_threads) for i in range(args.replicas)]
+    explicit = any(c for _, _, c, _ in kinds)
+    cores = sorted(os.sched_getaffinity(0))
+    auto = not explicit and len(kinds) > 1 and len(cores) >= len(kinds)
+    return [_Engine(f"{role}{i}", role, str(cores[k]) if auto else cpus, threads)
+            for k, (role, i, cpus, threads) in enumerate(kinds)]
 
 
-def _colocated(args, log_dir: Path, tls_dir: str) -> tuple[list[Step], str]:
-    engine, addr = _engine(args, log_dir, "engine-unified", ["decode", "--role", "unified"],
-                           args.cpus, args.num_threads, tls_dir)
-    return [engine, _router(args, log_dir, addr, [], tls_dir)], \
-        _banner(args, f"{addr}  (unified)", tls_dir)
-
-
-def _disagg(args, log_dir: Path, tls_dir: str, secret_dir: str) -> tuple[list[Step], str]:
+def _redis(args, log_dir: Path, port: int, auth: Path) -> tuple[Step, dict[int, str]]:
+    """redis-server with a password (redis.conf in `auth`), and the URL file of each database
+    the stack uses: db 0 the KV store's metadata, REGISTRY_DB the instance registry."""
     from urllib.parse import urlsplit
 
     from pdserve.services.common.redis_auth import CONF_FILE, URL_FILE, make_redis_auth
 
-    redis_port = args.redis_port or free_port(args.host)
-    store_port = args.kv_store_port or free_port(args.host)
-    store = f"{args.host}:{store_port}"
     redis_dir = log_dir / "redis"
     redis_dir.mkdir(exist_ok=True)
-    auth = Path(secret_dir) / "redis"  # redis.conf (requirepass) and the store's URL file
-    password = urlsplit(make_redis_auth(auth, f"redis://{args.host}:{redis_port}/0")).password
-    redis = Child("redis", [redis_server(), str(auth / CONF_FILE), "--bind", args.host,
-                            "--port", str(redis_port), "--dir", str(redis_dir), "--save", "",
+    url = make_redis_auth(auth, f"redis://{args.host}:{port}/0")
+    password = urlsplit(url).password
+    registry_file = auth / "registry-url"
+    fd = os.open(registry_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(url.rsplit("/", 1)[0] + f"/{REGISTRY_DB}")
+    child = Child("redis", [redis_server(), str(auth / CONF_FILE), "--bind", args.host,
+                            "--port", str(port), "--dir", str(redis_dir), "--save", "",
                             "--appendonly", "no"], log_dir)
-    kv = Child("kvstore", SERVE + [
-        "kvstore", "--host", args.host, "--port", str(store_port),
-        "--redis-url", f"@{auth / URL_FILE}",  # read from the file: not in argv
+    urls = {0: str(auth / URL_FILE), REGISTRY_DB: str(registry_file)}
+    return Step(child, lambda: redis_ready(args.host, port, password)), urls
+
+
+def _kvstore(args, log_dir: Path, store: str, redis_url_file: str, tls_dir: str) -> Step:
+    child = Child("kvstore", SERVE + [
+        "kvstore", "--host", args.host, "--port", store.rsplit(":", 1)[1],
+        "--redis-url", f"@{redis_url_file}",  # read from the file: not in argv
         "--capacity-mib", str(args.kv_capacity_mib), "--transport", args.kv_transport], log_dir)
-    kv_words = ["--kv-store", store, "--kv-transport", args.kv_transport]
-    prefill, paddr = _engine(args, log_dir, "prefill", ["prefill"] + kv_words,
-                             args.prefill_cpus, args.prefill_threads, tls_dir, service="prefill")
-    decode, daddr = _engine(args, log_dir, "decode", ["decode", "--role", "decode"] + kv_words,
-                            args.decode_cpus, args.decode_threads, tls_dir)
-    router = _router(args, log_dir, daddr, [
-        "--prefill-backends", paddr, "--kv-store", store,
-        "--min-prefill-tokens", str(args.min_prefill_tokens)], tls_dir)
-    steps = [Step(redis, lambda: redis_ready(args.host, redis_port, password)),
-             Step(kv, lambda: store_ready(store)), prefill, decode, router]
-    return steps, _banner(args, f"{paddr}  (prefill)\n  decode gRPC   {daddr}  (decode)\n"
-                                f"  KV store      {store}  (master; redis :{redis_port})",
-                          tls_dir)
+    return Step(child, lambda: store_ready(store))
+
+
+def _engine(args, log_dir: Path, e: _Engine, store: str, registry: str,
+            tls_dir: str) -> tuple[Step, str]:
+    from pdserve.services.cli_serve import engine_argv
+
+    single = args.mode == "colocated" and args.replicas == 1
+    port = args.engine_port if single and args.engine_port else free_port(args.host)
+    addr = f"{args.host}:{port}"
+    service = "prefill" if e.role == "prefill" else "decode"
+    role = [] if e.role == "prefill" else ["--role", e.role]
+    words = SERVE + [service, *role, "--host", args.host, "--port", str(port),
+                     "--model", args.model, *engine_argv(args, cpus=e.cpus, threads=e.threads),
+                     *tls_argv(tls_dir)]
+    if store:
+        words += ["--kv-store", store, "--kv-transport", args.kv_transport]
+    if registry:
+        words += ["--registry", registry]
+    if e.cpus and shutil.which("taskset"):  # pinned from exec on, before any thread starts
+        words = ["taskset", "-c", e.cpus] + words
+    child = Child(e.name, words, log_dir)
+    return Step(child, lambda: engine_serving(addr, service, tls_dir),
+                lambda: engine_kv_budget(addr, service, tls_dir)), addr
+
+
+def _router(args, log_dir: Path, addrs: dict, store: str, registry: str,
+            tls_dir: str) -> Step:
+    words = SERVE + ["router", "--model", args.model, "--host", args.host,
+                     "--port", str(args.port), "--grpc-port", str(args.grpc_port)]
+    if registry:
+        words += ["--registry", registry, "--backends", ""]
+    else:
+        words += ["--backends", ",".join(addrs["decode"])]
+        if addrs["prefill"]:
+            words += ["--prefill-backends", ",".join(addrs["prefill"])]
+    if store:
+        words += ["--kv-store", store, "--min-prefill-tokens", str(args.min_prefill_tokens)]
+    words += tls_argv(tls_dir) + list(args.router_arg or ())
+    child = Child("router", words, log_dir)
+    return Step(child, lambda: http_ok(f"http://{args.host}:{args.port}/health"))
+
+
+def _layout(rows, engines: list[_Engine]) -> str:
+    lines = ["  what runs where:"]
+    lines += [f"    {n:<10} {a:<22} cores {c:<5} {w}" for n, a, c, w in rows]
+    if len(engines) > 1 and not any(e.cpus for e in engines):
+        lines.append(f"    ({len(engines)} engines on {len(os.sched_getaffinity(0))} cores: "
+                     f"not pinned, they share the cores)")
+    return "\n".join(lines)
 
 
 def redis_server() -> str:
@@ -138,12 +224,18 @@ def store_ready(master_addr: str) -> bool:
             return False
 
 
-def _banner(args, engines: str, tls_dir: str) -> str:
+def _banner(args, addrs: dict, store: Optional[str], tls_dir: str) -> str:
     base = f"http://{args.host}:{args.port}"
-    tls = (f"  mutual TLS    gRPC needs a certificate: {tls_dir}/client.pem, client-key.pem, "
-           f"ca.pem" if tls_dir else "  mutual TLS    off (--insecure)")
-    return (f"  OpenAI API    {base}/v1  (completions, chat/completions, models)\n"
-            f"  health        {base}/health\n"
-            f"  metrics       {base}/metrics\n"
-            f"  router gRPC   {args.host}:{args.grpc_port}  (pdserve.v1.Router/Generate)\n"
-            f"  engine gRPC   {engines}\n{tls}")
+    lines = [f"  OpenAI API    {base}/v1  (completions, chat/completions, models)",
+             f"  health        {base}/health",
+             f"  metrics       {base}/metrics",
+             f"  router gRPC   {args.host}:{args.grpc_port}  (pdserve.v1.Router/Generate)"]
+    for kind in ("prefill", "decode"):
+        label = "unified" if args.mode == "colocated" else kind
+        for a in addrs[kind]:
+            lines.append(f"  {label:<13} {a}")
+    if store:
+        lines.append(f"  KV store      {store}  (master)")
+    lines.append(f"  mutual TLS    gRPC needs a certificate: {tls_dir}/client.pem, client-key.pem, "
+                 f"ca.pem" if tls_dir else "  mutual TLS    off (--insecure)")
+    return "\n".join(lines)

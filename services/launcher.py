@@ -1,15 +1,18 @@
 """`pdserve up`: the whole stack on this machine, each service its own child process.
 
-Lifecycle: make the log folder -> start the services of the mode's plan in order
-(services/launch_plans.py: colocated = unified engine, router; disagg = redis, KV store, prefill,
-decode, router), each after the previous one is ready -> print the endpoints -> wait for
-SIGINT/SIGTERM or any child exiting -> stop in reverse order (router first, so no new work
-reaches the engines): SIGTERM, `stop_timeout_s` to exit, then SIGKILL. The kernel sends every
-child SIGTERM when the launcher dies (PR_SET_PDEATHSIG: every child starts through the
-`exec_tied` trampoline, which sets it and execs the service, ours or not), so even a killed
-launcher leaves no orphans. Children are started without a `preexec_fn`, so subprocess can
-vfork: fork() in a process with gRPC / OpenMP threads runs their atfork handlers, which can
-deadlock the parent or break the child (see exec_tied.py).
+Lifecycle: make the log folder -> start the services of the plan in order
+(services/launch_plans.py: redis for the instance registry, then per mode the KV store,
+prefill and decode instances, or unified replicas, then the router), each after the previous
+one is ready, printing each one's state and the KV budget each engine chose -> print the map
+of what runs where and the endpoints -> supervise (services/supervisor.py): a service that
+exits is restarted with backoff and re-registers, the rest keeps serving -> on SIGINT/SIGTERM
+stop in reverse order (router first, so no new work reaches the engines): SIGTERM,
+`stop_timeout_s` to exit (engines drain their streams meanwhile), then SIGKILL. The kernel
+sends every child SIGTERM when the launcher dies (PR_SET_PDEATHSIG: every child starts
+through the `exec_tied` trampoline, which sets it and execs the service, ours or not), so even
+a killed launcher leaves no orphans. Children are started without a `preexec_fn`, so
+subprocess can vfork: fork() in a process with gRPC / OpenMP threads runs their atfork
+handlers, which can deadlock the parent or break the child (see exec_tied.py).
 """
 
 from __future__ import annotations
@@ -132,10 +135,29 @@ class Step:
 
     child: Child
     ready: Callable[[], bool]
+    describe: Optional[Callable[[], str]] = None  # a line once ready (an engine's KV budget)
 
 
-def run_up(args, stop_timeout_s: float = 10.0) -> int:
+def engine_kv_budget(address: str, service: str = "decode", tls_dir: str = "") -> str:
+    """The KV cache the instance sized for itself, as one line for the terminal; `tls_dir`:
+    ask over mutual TLS with its client certificate."""
+    from pdserve.common.rpc import engine_pb2 as pb
+    from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
+    from pdserve.services.common.tls import TlsConfig, open_channel
+
+    stub = pb_grpc.PrefillServiceStub if service == "prefill" else pb_grpc.DecodeServiceStub
+    tls = TlsConfig.from_dir(tls_dir, "client") if tls_dir else TlsConfig()
+    with open_channel(address, tls, service, aio=False) as channel:
+        s = stub(channel)
+        health = s.Health(pb.HealthRequest(), timeout=2.0)
+        load = s.GetLoad(pb.LoadRequest(), timeout=2.0)
+    blocks, size = load.num_total_blocks, health.block_size
+    return f"KV cache {blocks} blocks x {size} tokens = {blocks * size} tokens"
+
+
+def run_up(args, stop_timeout_s: float = 30.0) -> int:
     from pdserve.services.launch_plans import plan_stack
+    from pdserve.services.supervisor import Supervisor
 
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -143,36 +165,26 @@ def run_up(args, stop_timeout_s: float = 10.0) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"pdserve up ({args.mode}, model {args.model}); logs in {log_dir}", flush=True)
-    code, started = 0, []
+    code, sup = 0, None
     # mutual TLS unless --insecure (a fresh CA, or --tls-dir's); Redis's password
     secrets = RunSecrets(args.insecure, args.tls_dir)
     try:
-        steps, endpoints = plan_stack(args, log_dir, secrets.tls_dir, secrets.dir)
-        for step in steps:
-            step.child.start()
-            started.append(step.child)
-            wait_until(step.ready, step.child, args.startup_timeout, stop)
-        print(endpoints + f"\n  logs          {log_dir}\nready; Ctrl-C to stop", flush=True)
-        code = _watch(started, stop)
+        plan = plan_stack(args, log_dir, secrets.tls_dir, secrets.dir)
+        print(plan.layout, flush=True)
+        sup = Supervisor(plan.steps, startup_timeout_s=args.startup_timeout)
+        sup.start_all(stop)
+        print(plan.endpoints + f"
+  logs          {log_dir}
+ready; Ctrl-C to stop", flush=True)
+        sup.watch(stop)
     except KeyboardInterrupt:
         pass
     except RuntimeError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
         code = 1
     finally:
-        for child in reversed(started):  # the router first: no new work reaches the rest
-            child.stop(stop_timeout_s)
+        for child in reversed(sup.started if sup is not None else []):
+            child.stop(stop_timeout_s)  # the router first: no new work reaches the rest
         secrets.close()  # the run's keys and password go with it
     print("pdserve up: stopped", flush=True)
     return code
-
-
-def _watch(children: list[Child], stop: threading.Event) -> int:
-    """Until told to stop (0) or a child exits (1)."""
-    while not stop.wait(0.5):
-        dead = [c for c in children if not c.alive]
-        if dead:
-            print(f"{dead[0].name} exited (code {dead[0].proc.returncode}); stopping. "
-                  f"Its log ends:\n{dead[0].log_tail()}", file=sys.stderr, flush=True)
-            return 1
-    return 0

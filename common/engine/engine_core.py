@@ -129,23 +129,34 @@ class EngineCore:
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, first_token_id: Optional[int] = None,
-                    kv_transfer: Optional[KVTransferParams] = None) -> None:
+                    kv_transfer: Optional[KVTransferParams] = None,
+                    resumed_token_ids=()) -> None:
         """`first_token_id`: the first output token, sampled elsewhere (a prefill instance)
-        and already delivered; generation continues after it. `kv_transfer`: where the
-        prompt's KV was stored (a consumer's connector loads it)."""
+        and already delivered; generation continues after it. `resumed_token_ids`: the same
+        for several tokens (a request migrated from a failed instance); they count as output
+        (max_tokens, the sampler's position). `kv_transfer`: where the prompt's KV was stored
+        (a consumer's connector loads it)."""
         self._validate(request_id, prompt_token_ids, params)
+        delivered = list(resumed_token_ids)
         if first_token_id is not None:
-            self._validate(request_id, [first_token_id], params)
+            if delivered:
+                raise ValueError("first_token_id and resumed_token_ids exclude each other")
+            delivered = [first_token_id]
+        if delivered:
+            self._validate(request_id, delivered, params)
+        if len(prompt_token_ids) + len(delivered) >= self.max_model_len:
+            raise ValueError("prompt and resumed tokens reach the model length")
         if kv_transfer is not None and not isinstance(kv_transfer, KVTransferParams):
             raise ValueError("kv_transfer must be a KVTransferParams")
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         req = Request(request_id, prompt_token_ids, params, max_tokens, generator=gen,
                       eos_token_ids=self.model_config.eos_token_ids or self.tokenizer.eos_token_ids)
-        if first_token_id is not None:
-            if max_tokens < 2:
-                raise ValueError("max_tokens must be >= 2 when the first token is given")
-            req.append_token(first_token_id)
+        if delivered:
+            if max_tokens <= len(delivered):
+                raise ValueError("max_tokens must exceed the tokens already delivered")
+            for token in delivered:
+                req.append_token(token)
         req.kv_transfer = kv_transfer or NO_KV_TRANSFER
         self.scheduler.add_request(req)
         self.outputs.add(req)

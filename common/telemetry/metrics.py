@@ -117,6 +117,9 @@ class RouterMetrics:
         self.fallbacks = Counter(
             "pdserve_router_fallback_rungs", "Fallback ladder steps taken: prefill_retry, "
             "prefill_to_unified, decode_retry, error_after_tokens", ["rung"], registry=r)
+        self.migrations = Counter(
+            "pdserve_router_migrations", "Streams moved to another decode instance after "
+            "theirs failed mid-stream, by outcome (ok, failed, limit)", ["outcome"], registry=r)
         self.breaker_opened = Counter(
             "pdserve_router_breaker_opened", "Times an instance's circuit breaker opened",
             ["instance"], registry=r)

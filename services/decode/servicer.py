@@ -1,5 +1,7 @@
 """DecodeService: streams a request's tokens from the engine; a cancelled call aborts it.
 
+A migrated request carries `resumed_token_ids`, the tokens another instance had streamed
+before it failed: the engine continues after them (see EngineCore.add_request).
 A request may continue a prefill done elsewhere: with `first_token_id` the engine appends that
 token (already delivered to the client) and streams only what follows; `block_keys` name the
 prompt blocks stored in the KV store, which the engine's consumer connector loads instead of
@@ -67,7 +69,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             # The engine's key is ours: a caller's id is only a label (it could name another
             # caller's request).
             stream = await self._engine.submit(uuid.uuid4().hex, prompt, params,
-                                               first_token_id=first, kv_transfer=kv_transfer)
+                                               first_token_id=first, kv_transfer=kv_transfer,
+                                               resumed_token_ids=tuple(request.resumed_token_ids))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:

@@ -46,6 +46,7 @@ class _Add:
     params: SamplingParams
     first_token_id: Optional[int] = None  # sampled by a prefill instance, already delivered
     kv_transfer: Optional[KVTransferParams] = None  # where a prefill instance stored the KV
+    resumed_token_ids: tuple = ()  # generated and delivered before a migration
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,8 @@ class AsyncEngine:
         self.num_aborted = 0  # unfinished requests aborted by their readers (engine thread)
         self.num_finished = 0  # requests that ended by stop or length (engine thread)
         self.num_step_failures = 0  # steps that raised; their batches were aborted
+        self._draining = False  # set once by begin_drain(): no new requests
+        self.busy = False  # requests or KV saves still open (engine thread writes)
 
     # --- event loop side ---
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -90,7 +93,22 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._dead is None
+        """Running and taking requests (Health says NOT_SERVING while draining)."""
+        return (self._thread is not None and self._thread.is_alive() and self._dead is None
+                and not self._draining)
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (EngineDeadError -> UNAVAILABLE, which routers retry
+        elsewhere); those already running go on to their end."""
+        self._draining = True
+
+    async def drained(self, timeout_s: float, poll_s: float = 0.05) -> bool:
+        """Waits until no request runs and no KV save is pending (True), or timeout_s."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.busy and self._dead is None and loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+        return not self.busy
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -102,18 +120,21 @@ class AsyncEngine:
 
     async def submit(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, first_token_id: Optional[int] = None,
-                     kv_transfer: Optional[KVTransferParams] = None) -> RequestStream:
+                     kv_transfer: Optional[KVTransferParams] = None,
+                     resumed_token_ids: tuple = ()) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. With
         `first_token_id` generation continues after that token (see EngineCore.add_request).
 
         Raises ValueError when the engine refuses the request (and nothing is left behind),
         EngineDeadError when the engine is gone. Callers must `close()` the stream.
         """
+        if self._draining:
+            raise EngineDeadError("draining: this instance is shutting down")
         if not self.healthy:
             raise EngineDeadError("engine is not running")
         stream = RequestStream(request_id, self._max_pending, self._abort)
         self._commands.put(_Add(stream, list(prompt_token_ids), params, first_token_id,
-                                kv_transfer))
+                                kv_transfer, tuple(resumed_token_ids)))
         try:
             await stream.wait_accepted()
         except BaseException:
@@ -144,6 +165,7 @@ class AsyncEngine:
                     self._timelines.observe(t0, t1)  # before publishing: see RequestTimeline
                     self._publish(outputs, t1)
                 self._stats = self.core.stats()
+                self.busy = bool(self._streams) or self.core.has_unfinished_requests()
                 if time.monotonic() >= self._summary_due:
                     self.cached_block_hashes = cache_summary(self.core)
                     self._summary_due = time.monotonic() + SUMMARY_PERIOD_S
@@ -182,11 +204,13 @@ class AsyncEngine:
                 raise ValueError(f"request id {rid!r} is already running")
             self.core.add_request(rid, cmd.prompt_token_ids, cmd.params,
                                   first_token_id=cmd.first_token_id,
-                                  kv_transfer=cmd.kv_transfer)
+                                  kv_transfer=cmd.kv_transfer,
+                                  resumed_token_ids=cmd.resumed_token_ids)
         except ValueError as exc:
             self._loop.call_soon_threadsafe(stream.fail, exc)
             return
         self._streams[rid] = stream
+        self.busy = True
         self._timelines.watch(rid, stream.timeline)
         self._loop.call_soon_threadsafe(stream.accept)
 

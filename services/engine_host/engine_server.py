@@ -3,9 +3,12 @@
 Lifecycle: `build_core` loads the model (slow, before anything listens); `start_engine_server`
 starts the engine thread, the grpc.aio server on the running loop and, with `metrics_port`,
 the Prometheus /metrics HTTP server (prometheus_client's own, on a thread), and returns them;
-`run_engine_server` sets up tracing, does that, then waits for SIGTERM/SIGINT and shuts down in
-order: stop accepting calls (in-flight ones get `grace_s`), stop /metrics, stop the engine
-thread, flush the spans still buffered.
+`run_engine_server` sets up tracing, does that, registers in the instance registry when one
+is configured, then waits for SIGTERM/SIGINT and drains: deregister (routers stop choosing
+it), refuse new requests (Health NOT_SERVING, submits UNAVAILABLE, which routers retry
+elsewhere), let the requests running finish and their pending KV saves complete, up to
+`drain_timeout_s`; then stop accepting calls (in-flight ones get `grace_s`), stop /metrics,
+stop the engine thread, flush the spans still buffered, and exit 0.
 """
 
 from __future__ import annotations
@@ -128,8 +131,13 @@ async def run_engine_server(cfg: EngineServiceConfig) -> None:
 
     heartbeat = await engine_heartbeat(cfg, running.engine, running.port)  # None: no registry
     await wait_for_signal()
-    log.info("shutting down")
+    log.info("shutting down: draining for up to %.0fs", cfg.drain_timeout_s)
     if heartbeat is not None:
         await heartbeat.stop()  # leave the registry before draining: no new requests come
+    running.engine.begin_drain()
+    if await running.engine.drained(cfg.drain_timeout_s):
+        log.info("drained: no request running, no KV save pending")
+    else:
+        log.warning("drain deadline passed with requests still running; they are cut off")
     await running.stop(cfg.grace_s)
     tracing.shutdown()

@@ -28,6 +28,7 @@ class EngineServiceConfig:
     kv_cache_bytes: Optional[int] = None
     max_pending_outputs: int = 8  # per stream, before outputs are merged for a slow reader
     grace_s: float = 2.0  # on shutdown, how long calls in flight may finish
+    drain_timeout_s: float = 30.0  # on SIGTERM, how long running requests may finish
     kv_store: str = ""  # KV store master host:port; "" -> no KV connector
     kv_transport: str = "auto"  # how to reach the storage nodes: auto | ucx | tcp
     kv_lease_s: float = 30.0  # stored blocks are not evicted for this long
@@ -60,6 +61,8 @@ class EngineServiceConfig:
             raise ValueError(f"max_pending_outputs must be >= 1, got {self.max_pending_outputs}")
         if self.grpc_max_message_bytes < 1 or self.grpc_max_concurrent_rpcs < 1:
             raise ValueError("grpc_max_message_bytes and grpc_max_concurrent_rpcs must be >= 1")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.parallel.tensor_parallel_size > 1 and self.kv_store:

@@ -27,12 +27,14 @@ def cache_summary(core, limit: int = SUMMARY_BLOCKS) -> tuple:
     return tuple(k[:PREFIX_BYTES] for k in core.cached_block_hashes(limit))
 
 
-def engine_record_fn(engine, address: str, role: str, model: str) -> Callable[[], InstanceRecord]:
+def engine_record_fn(engine, address: str, role: str, model: str, fingerprint: str = "",
+                     block_size: int = 0) -> Callable[[], InstanceRecord]:
     def snapshot() -> InstanceRecord:
         s = engine.stats()
         cached = frozenset(getattr(engine, "cached_block_hashes", ()) or ())
         return InstanceRecord(address, role, model, s.num_running, s.num_waiting,
-                              s.num_waiting_tokens, s.kv_usage, cached)
+                              s.num_waiting_tokens, min(1.0, max(0.0, s.kv_usage)), cached,
+                              fingerprint, block_size)
     return snapshot
 
 
@@ -46,4 +48,7 @@ async def engine_heartbeat(cfg, engine, port: int):
     if host in ("0.0.0.0", "::", ""):  # a wildcard is no address to dial
         host = socket.gethostbyname(socket.gethostname())
     address = os.environ.get(ENV_ADDRESS) or f"{host}:{port}"
-    return await Heartbeat(reg, engine_record_fn(engine, address, cfg.role, cfg.model)).start()
+    fingerprint = getattr(engine.core, "fingerprint", "") or ""
+    snapshot = engine_record_fn(engine, address, cfg.role, cfg.model, fingerprint,
+                                cfg.block_size)
+    return await Heartbeat(reg, snapshot).start()

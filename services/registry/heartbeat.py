@@ -41,13 +41,15 @@ class Heartbeat:
             record = self._snapshot()
             self._key = self.cfg.key_prefix + record.address
             await self._redis.set(self._key, record.to_json(), px=int(self.cfg.ttl_s * 1000))
-        except (aioredis.RedisError, OSError) as exc:
+        except (aioredis.RedisError, OSError, ValueError) as exc:
             log.warning("registry heartbeat failed: %s", exc)
             return False
         self.beats += 1
         return True
 
     async def stop(self) -> None:
+        """Deregisters: ends the beats and deletes the entry (routers drop it on their next
+        read)."""
         await self._periodic.stop()
         if self._key is not None:
             try:

@@ -78,6 +78,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--breaker-failures", type=int, default=3)
     f.add_argument("--breaker-open", type=float, default=5.0)
     f.add_argument("--stream-idle-timeout", type=float, default=120.0)
+    f.add_argument("--max-migrations", type=int, default=3, help="times one stream may move "
+                   "to another decode instance when its instance fails mid-stream (0: never)")
 
 
 def _weights(text: str) -> CostWeights:
@@ -107,7 +109,7 @@ def router_config(args, addresses) -> RouterConfig:
         grpc_max_concurrent_rpcs=args.grpc_max_concurrent_rpcs)
     fallback = FallbackConfig(args.prefill_retries, args.decode_retries, args.retry_backoff,
                               args.breaker_failures, args.breaker_open,
-                              args.stream_idle_timeout)
+                              args.stream_idle_timeout, args.max_migrations)
     return RouterConfig(
         model=args.model, served_model_name=args.served_model_name,
         backends=addresses(args.backends), host=args.host, port=args.port,

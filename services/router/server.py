@@ -128,7 +128,7 @@ def _pool(cfg: RouterConfig, metrics: RouterMetrics, addresses, kind: str) -> Ba
     return BackendPool(plain, metrics, cfg.health_interval_s, cfg.health_timeout_s,
                        cfg.unhealthy_after, kind=kind, policy=make_policy(policy, cfg.routing),
                        fallback=cfg.fallback, memory_blocks=cfg.routing.prefix_memory_blocks,
-                       tls=cfg.tls)
+                       tls=cfg.tls, expect_model=cfg.model)
 
 
 async def _watchers(cfg: RouterConfig, decode: BackendPool, prefill) -> tuple:
@@ -141,8 +141,8 @@ async def _watchers(cfg: RouterConfig, decode: BackendPool, prefill) -> tuple:
     if cfg.registry_url:
         reg = RegistryConfig(cfg.registry_url, ttl_s=max(3.0, 2 * cfg.registry_interval_s),
                              interval_s=cfg.registry_interval_s)
-        watchers.append(await RegistryWatcher(reg, {"decode": decode,
-                                                    "prefill": prefill}).start())
+        watchers.append(await RegistryWatcher(reg, {"decode": decode, "prefill": prefill},
+                                              model=cfg.model).start())
     return tuple(watchers)
 
 

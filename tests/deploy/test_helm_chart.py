@@ -230,8 +230,10 @@ def test_container_args_parse_and_listen_where_declared(chart, scenario):
             assert args.model == values["model"]
             backends = args.backends.split(",")
             for b in backends:
-                host, port = b.rsplit(":", 1)
+                assert b.startswith("dns:")  # the router resolves the pods, not a ClusterIP
+                host, port = b.removeprefix("dns:").rsplit(":", 1)
                 svc = by_kind(docs, "Service")[host]
+                assert svc["spec"]["clusterIP"] == "None"  # headless: one address per pod
                 assert int(port) in [p["port"] for p in svc["spec"]["ports"]]
                 assert svc["metadata"]["labels"]["app.kubernetes.io/component"] == "decode"
             if values["servedModelName"]:
@@ -239,8 +241,10 @@ def test_container_args_parse_and_listen_where_declared(chart, scenario):
             assert _master(docs, args.kv_store)
             if values["decode"]["role"] == "decode":  # disaggregated
                 for b in args.prefill_backends.split(","):
-                    host, port = b.rsplit(":", 1)
+                    assert b.startswith("dns:")
+                    host, port = b.removeprefix("dns:").rsplit(":", 1)
                     svc = by_kind(docs, "Service")[host]
+                    assert svc["spec"]["clusterIP"] == "None"
                     assert int(port) in [p["port"] for p in svc["spec"]["ports"]]
                     assert svc["metadata"]["labels"]["app.kubernetes.io/component"] == "prefill"
                 assert args.min_prefill_tokens == values["router"]["minPrefillTokens"]
@@ -436,3 +440,25 @@ def test_values_schema_covers_values_yaml(chart):
                 walk(sub, node["properties"][key], f"{path}.{key}")
 
     walk(chart.values, schema, "values")
+
+
+def test_engines_drain_on_termination_and_have_disruption_budgets(chart):
+    """preStop waits out the router's DNS refresh, the engine drains for --drain-timeout,
+    and the grace period covers both; a PodDisruptionBudget per engine kind."""
+    docs, _ = render(chart, {})
+    values = chart.merge_values({})
+    drain = values["drain"]
+    pdbs = by_kind(docs, "PodDisruptionBudget")
+    for role in ("prefill", "decode"):
+        dep = by_kind(docs, "Deployment")[f"{FULL}-{role}"]
+        spec = dep["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        assert c["lifecycle"]["preStop"]["exec"]["command"] == [
+            "sleep", str(drain["preStopSleepSeconds"])]
+        args = parse(expanded_args(docs, c))
+        assert args.drain_timeout == drain["timeoutSeconds"]
+        assert spec["terminationGracePeriodSeconds"] > (drain["timeoutSeconds"]
+                                                        + drain["preStopSleepSeconds"])
+        pdb = pdbs[f"{FULL}-{role}"]
+        assert pdb["spec"]["maxUnavailable"] == 1
+        assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]

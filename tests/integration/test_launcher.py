@@ -67,8 +67,9 @@ def test_up_serves_then_stops_cleanly(tmp_path, sig):
     proc, port, log_dir, banner = start_up(tmp_path)
     try:
         kids = children_of(proc.pid)
-        assert len(kids) == 2  # the unified engine and the router
+        assert len(kids) == 3  # redis (the registry), the unified engine and the router
         assert f"http://127.0.0.1:{port}/v1" in banner and str(log_dir) in banner
+        assert "unified0     ready in" in banner and "KV cache 64 blocks x 16 tokens" in banner
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                        json={"model": "tiny", "prompt": "up", "max_tokens": 4}, timeout=30)
         assert r.status_code == 200
@@ -76,19 +77,19 @@ def test_up_serves_then_stops_cleanly(tmp_path, sig):
         assert proc.wait(30) == 0
         assert "stopped" in proc.stdout.read()
         assert wait_gone(kids, 5) == []
-        logs = {p.name: p.read_text() for p in log_dir.iterdir()}
-        assert set(logs) == {"engine-unified.log", "router.log"}
+        logs = {p.name: p.read_text() for p in log_dir.glob("*.log")}
+        assert set(logs) == {"redis.log", "unified0.log", "router.log"}
         assert "shutting down" in logs["router.log"] and "shutting down" in logs[
-            "engine-unified.log"]
+            "unified0.log"]
     finally:
         if proc.poll() is None:
             proc.kill()
 
 
 def test_killed_launcher_leaves_no_orphans(tmp_path):
-    proc, _, _, _ = start_up(tmp_path)
+    proc, _, _, _ = start_up(tmp_path, "--discovery", "static")
     kids = children_of(proc.pid)
-    assert len(kids) == 2
+    assert len(kids) == 2  # static discovery: no redis
     proc.kill()  # no chance to clean up: the children must notice on their own
     proc.wait()
     left = wait_gone(kids, 15)
@@ -115,7 +116,7 @@ def test_up_disagg_serves_then_stops_cleanly(tmp_path):
     try:
         kids = children_of(proc.pid)
         assert len(kids) == 5  # redis, kv store, prefill, decode, router
-        assert "(prefill)" in banner and "KV store" in banner
+        assert "prefill0" in banner and "KV store" in banner and "decode0" in banner
         prompt = list(range(40, 100))  # 3 full blocks: the prefill path, then a store hit
         outs = [httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                            json={"model": "tiny", "prompt": prompt, "max_tokens": 5,
@@ -125,14 +126,14 @@ def test_up_disagg_serves_then_stops_cleanly(tmp_path):
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
         assert 'pdserve_router_prefill_skipped_total{reason="stored"} 1.0' in metrics
         by_log = {p.name: p for p in log_dir.glob("*.log")}
-        assert set(by_log) == {"redis.log", "kvstore.log", "prefill.log", "decode.log",
+        assert set(by_log) == {"redis.log", "kvstore.log", "prefill0.log", "decode0.log",
                                "router.log"}
         pins = {cpus_of(k) for k in kids}
         assert {"0", "1"} <= pins  # prefill on core 0, decode on core 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert wait_gone(kids, 5) == []
-        for name in ("prefill.log", "decode.log", "router.log"):
+        for name in ("prefill0.log", "decode0.log", "router.log"):
             assert "shutting down" in by_log[name].read_text()
     finally:
         if proc.poll() is None:

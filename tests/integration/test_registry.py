@@ -172,6 +172,8 @@ def test_real_engines_register_report_their_cache_and_expire(tmp_path, redis):
         entries = lambda: [InstanceRecord.from_json(v) for v in  # noqa: E731
                            r.mget(r.keys("pdserve:instance:*"))]
         wait_for(lambda: any(len(e.cached) >= 4 for e in entries()), 5, "a cache summary")
+        assert all(len(e.fingerprint) >= 16 and e.block_size == 16 and e.model == "tiny"
+                   for e in entries())
         children[0].proc.kill()
         children[0].proc.wait(10)
         t0 = time.monotonic()
@@ -182,3 +184,68 @@ def test_real_engines_register_report_their_cache_and_expire(tmp_path, redis):
     finally:
         for child in reversed(children):
             child.stop(10.0)
+
+
+BAD_ENTRIES = {
+    "list": "[1, 2]",
+    "not-json": "{nope",
+    "no-address": '{"role": "unified"}',
+    "wrong-type": '{"address": "127.0.0.1:1", "role": "unified", "running": "many"}',
+    "bool-count": '{"address": "127.0.0.1:1", "role": "unified", "waiting": true}',
+    "bad-role": '{"address": "127.0.0.1:1", "role": "boss"}',
+    "bad-port": '{"address": "127.0.0.1:99999", "role": "unified"}',
+    "bad-usage": '{"address": "127.0.0.1:1", "role": "unified", "kv_usage": 7}',
+    "bad-b64": '{"address": "127.0.0.1:1", "role": "unified", "cached": "!!"}',
+    "ragged": '{"address": "127.0.0.1:1", "role": "unified", "cached": "AAAA"}',
+    "huge": '{"address": "127.0.0.1:1", "role": "unified", "model": "' + "x" * 70000 + '"}',
+}
+
+
+def test_record_refuses_malformed_entries():
+    for text in BAD_ENTRIES.values():
+        with pytest.raises(ValueError):
+            InstanceRecord.from_json(text)
+
+
+def test_malformed_and_foreign_entries_are_skipped_and_the_watcher_lives(redis):
+    """Bad entries (and one for another model) sit in the registry beside a good one: the
+    router uses the good one, skips the rest, and still sees an instance that joins later."""
+    import redis as redis_sync
+
+    async def main():
+        r = redis_sync.Redis.from_url(redis.url)
+        for name, text in BAD_ENTRIES.items():
+            r.set(f"pdserve:instance:bad-{name}", text)
+        reg = RegistryConfig(redis.url, ttl_s=1.0, interval_s=0.2)
+        a, other = await FakeInstance.start(), await FakeInstance.start()
+        r.set(f"pdserve:instance:{other.address}",
+              InstanceRecord(other.address, "unified", "another-model").to_json())
+        beats, router = [], None
+        try:
+            beats.append(await Heartbeat(reg, record_fn(a)).start())
+            router = await start_router(RouterConfig(
+                model="fake", backends=(), registry_url=redis.url, registry_interval_s=0.2,
+                health_interval_s=0.2, port=0, grpc_port=0), tokenizer=FakeTokenizer())
+            pool = router.state.pool
+            await until(lambda: len(pool.healthy) == 1, 3, "the good instance")
+            assert pool.backend(other.address) is None  # another model: never a candidate
+            watcher = router.watchers[0]
+            assert watcher.skipped >= len(BAD_ENTRIES) + 1
+            b = await FakeInstance.start()
+            try:
+                beats.append(await Heartbeat(reg, record_fn(b)).start())
+                await until(lambda: len(pool.healthy) == 2, 3, "a later instance")
+                assert watcher._periodic.running
+            finally:
+                for hb in beats:
+                    await hb.stop()
+                beats.clear()
+                await b.stop()
+        finally:
+            for hb in beats:
+                await hb.stop()
+            if router is not None:
+                await router.stop()
+            await a.stop()
+            await other.stop()
+    asyncio.run(asyncio.wait_for(main(), 60))

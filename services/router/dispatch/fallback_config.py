@@ -13,6 +13,7 @@ class FallbackConfig:
     breaker_failures: int = 3  # consecutive failed calls that open an instance's breaker
     breaker_open_s: float = 5.0  # how long an open breaker refuses, then lets one call try
     stream_idle_timeout_s: float = 120.0  # no message from an instance for this long: failed
+    max_migrations: int = 3  # times one stream may move to another decode instance
 
     def __post_init__(self):
         if self.prefill_retries < 0 or self.decode_retries < 0:
@@ -20,5 +21,7 @@ class FallbackConfig:
         if self.backoff_s < 0 or self.breaker_open_s <= 0 or self.stream_idle_timeout_s <= 0:
             raise ValueError("backoff_s must be >= 0; breaker_open_s and "
                              "stream_idle_timeout_s > 0")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.breaker_failures < 1:
             raise ValueError(f"breaker_failures must be >= 1, got {self.breaker_failures}")

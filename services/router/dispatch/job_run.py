@@ -15,11 +15,20 @@ import asyncio
 import time
 from typing import Optional
 
+import grpc
+
 from pdserve.common.telemetry.metrics import RouterMetrics
+from pdserve.services.router.api.errors import APIError
 from pdserve.services.router.dispatch.engine_stream import Delta
 from pdserve.services.router.dispatch.job import Job
 
 _DONE = object()
+
+
+def _cut_short(index: int) -> APIError:
+    """A stream that ended without its last delta: never passed off as an answer."""
+    return APIError(502, f"choice {index}: the instance's stream ended before the answer was "
+                    "complete", type_="internal_error", grpc_code=grpc.StatusCode.INTERNAL)
 
 
 class JobRun:
@@ -69,11 +78,16 @@ class JobRun:
             s.cancel()
 
     async def deltas(self):
-        """Yields (choice index, Delta) until every choice finished; raises APIError."""
+        """Yields (choice index, Delta) until every choice finished; raises APIError, also
+        when a stream ends without a finish reason (so a 200 is always a whole answer)."""
         if len(self._streams) == 1:
+            finished = False
             async for delta in self._streams[0]:
                 self._latency.observe(0, delta)
+                finished = finished or delta.finish_reason is not None
                 yield 0, delta
+            if not finished:
+                raise _cut_short(0)
             return
         self._pumps = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self._streams)]
         remaining = len(self._pumps)
@@ -89,9 +103,11 @@ class JobRun:
 
     async def _pump(self, index: int, stream) -> None:
         try:
+            finished = False
             async for delta in stream:
+                finished = finished or delta.finish_reason is not None
                 await self._queue.put((index, delta))
-            await self._queue.put(_DONE)
+            await self._queue.put(_DONE if finished else _cut_short(index))
         except Exception as exc:  # handed to the reader, which raises it
             await self._queue.put(exc)
 

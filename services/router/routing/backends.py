@@ -10,6 +10,10 @@ source no longer lists (their channels close a minute later, after calls in flig
 `choose()` asks the pool's policy among instances that are up and whose breaker allows.
 A pool holds one kind of instance: decode (or unified) instances answer health checks on
 DecodeService, prefill instances on PrefillService.
+Before an instance is used, its Health must name the model the router serves
+(`expect_model`, "" -> any) and the model fingerprint the pool's first healthy instance
+reported (its block keys must match the others'); an instance that does not stays down, with
+a warning.
 """
 
 from __future__ import annotations
@@ -37,13 +41,20 @@ log = logging.getLogger(__name__)
 _RETIRE_S = 60.0
 
 
+class _Mismatch(RuntimeError):
+    """The instance serves another model or fingerprint than the pool."""
+
+
 class BackendPool:
     def __init__(self, addresses: tuple[str, ...], metrics: RouterMetrics, interval_s: float,
                  timeout_s: float, unhealthy_after: int, kind: str = "decode", policy=None,
                  fallback: FallbackConfig = FallbackConfig(), memory_blocks: int = 65536,
-                 tls: TlsConfig = TlsConfig()):
+                 tls: TlsConfig = TlsConfig(), expect_model: str = ""):
         self.kind = kind
         self._tls = tls  # every instance's channel: mutual TLS when set
+        self.expect_model = expect_model
+        self.fingerprint = ""  # pinned by the first healthy instance that reports one
+        self._refused: set[str] = set()  # addresses warned about (logged once)
         self._fallback = fallback
         self.backends = [self._new(a) for a in addresses]
         self._static = set(addresses)
@@ -151,6 +162,17 @@ class BackendPool:
         self._retired = [(t, b) for t, b in self._retired if now - t <= _RETIRE_S]
         await asyncio.gather(*(b.channel.close() for b in old), return_exceptions=True)
 
+    def _check_identity(self, health: pb.HealthResponse) -> None:
+        """RuntimeError when the instance serves another model or computes other keys."""
+        if self.expect_model and health.model and health.model != self.expect_model:
+            raise _Mismatch(f"serves model {health.model!r}, not {self.expect_model!r}")
+        fp = health.model_fingerprint
+        if fp and self.fingerprint and fp != self.fingerprint:
+            raise _Mismatch(f"model fingerprint {fp[:16]} differs from the pool's "
+                               f"{self.fingerprint[:16]}")
+        if fp and not self.fingerprint:
+            self.fingerprint = fp
+
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(b) for b in list(self.backends)))
         if self.kind == "decode":  # the router-wide gauges count decode instances
@@ -163,9 +185,13 @@ class BackendPool:
             health = await b.service.Health(pb.HealthRequest(), timeout=self._timeout_s)
             if health.status != pb.HealthResponse.SERVING:
                 raise RuntimeError("instance says NOT_SERVING")
+            self._check_identity(health)
             load = await b.service.GetLoad(pb.LoadRequest(), timeout=self._timeout_s)
         except (grpc.aio.AioRpcError, RuntimeError) as exc:
             why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            if isinstance(exc, _Mismatch) and b.address not in self._refused:
+                self._refused.add(b.address)
+                log.warning("%s instance %s refused: %s", self.kind, b.address, why)
             b.record_failure(self._unhealthy_after, why)
         else:
             b.record_success(health, load)

@@ -8,6 +8,9 @@ soon as healthy, vanished ones retire) and copies each entry's load and cache su
 its Backend. An entry expires `ttl_s` after its instance's last heartbeat, so a dead instance
 leaves within ttl + interval (health checks usually mark it down sooner). While Redis is
 unreachable the pools keep what they had. `stop()` ends the task and closes the connection.
+An entry that does not parse (record.py validates types, ranges and size), or that names
+another model than the router serves, is skipped with a warning (once per key and reason);
+nothing an entry holds can end the watcher.
 """
 
 from __future__ import annotations
@@ -26,9 +29,13 @@ POOL_OF_ROLE = {"unified": "decode", "decode": "decode", "prefill": "prefill"}
 
 
 class RegistryWatcher:
-    def __init__(self, cfg: RegistryConfig, pools: dict):
-        """pools: {"decode": BackendPool, "prefill": BackendPool or None}."""
+    def __init__(self, cfg: RegistryConfig, pools: dict, model: str = ""):
+        """pools: {"decode": BackendPool, "prefill": BackendPool or None}; `model`: entries
+        for another model are skipped ("" -> any)."""
         self.cfg = cfg
+        self._model = model
+        self._warned: set[tuple[bytes, str]] = set()
+        self.skipped = 0  # entries skipped since start
         self._pools = {k: p for k, p in pools.items() if p is not None}
         self._redis = aioredis.from_url(cfg.url, socket_timeout=cfg.interval_s,
                                         socket_connect_timeout=cfg.interval_s)
@@ -52,10 +59,21 @@ class RegistryWatcher:
             if value is None:
                 continue  # expired between SCAN and MGET
             try:
-                records.append(InstanceRecord.from_json(value))
-            except (ValueError, KeyError) as exc:
-                log.warning("bad registry entry %s: %s", key, exc)
+                record = InstanceRecord.from_json(value)
+            except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as exc:
+                self._skip(key, f"malformed: {exc}")
+                continue
+            if self._model and record.model and record.model != self._model:
+                self._skip(key, f"serves model {record.model!r}, not {self._model!r}")
+                continue
+            records.append(record)
         return records
+
+    def _skip(self, key: bytes, why: str) -> None:
+        self.skipped += 1
+        if (key, why) not in self._warned and len(self._warned) < 10000:
+            self._warned.add((key, why))
+            log.warning("registry entry %s skipped: %s", key[:200], why)
 
     async def refresh(self) -> bool:
         try:
