@@ -173,9 +173,7 @@ def run_up(args, stop_timeout_s: float = 30.0) -> int:
         print(plan.layout, flush=True)
         sup = Supervisor(plan.steps, startup_timeout_s=args.startup_timeout)
         sup.start_all(stop)
-        print(plan.endpoints + f"
-  logs          {log_dir}
-ready; Ctrl-C to stop", flush=True)
+        print(plan.endpoints + f"\n  logs          {log_dir}\nready; Ctrl-C to stop", flush=True)
         sup.watch(stop)
     except KeyboardInterrupt:
         pass
