@@ -47,7 +47,7 @@ def install_error_handlers(app: FastAPI) -> None:
         type_ = "invalid_request_error" if status < 500 else "internal_error"
         body = {"error": {"message": str(exc.detail), "type": type_, "param": None,
                           "code": _CODES.get(status)}}
-        return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
+        return JSONResponse(body, status_code=status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc: RequestValidationError):
