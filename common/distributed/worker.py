@@ -112,7 +112,7 @@ def _build(spec: WorkerSpec, comm):
     if spec.model is not None:
         model_config, weights = spec.model
     else:
-        loaded = load_model(cfg.model, tiny_seed=cfg.tiny_model_seed)
+        loaded = load_model(cfg.model, tiny_seed=cfg.tiny_model_seed, weights=cfg.weights)
         model_config, weights = loaded.config, loaded.weights
     device = rank_device(cfg.device, spec.rank, spec.world_size)
     tp = TensorParallel(spec.rank, spec.world_size, comm)

@@ -163,8 +163,11 @@ class AsyncEngine:
                         continue
                     t1 = time.time_ns()
                     self._timelines.observe(t0, t1)  # before publishing: see RequestTimeline
+                    # the snapshot first: a client that saw this step's outputs reads its stats
+                    self._stats = self.core.stats()
                     self._publish(outputs, t1)
-                self._stats = self.core.stats()
+                else:
+                    self._stats = self.core.stats()
                 self.busy = bool(self._streams) or self.core.has_unfinished_requests()
                 if time.monotonic() >= self._summary_due:
                     self.cached_block_hashes = cache_summary(self.core)

@@ -124,8 +124,8 @@ def test_engine_snapshot_reads_stats_and_the_published_cache_summary():
     from pdserve.common.engine.outputs import EngineStats
     from pdserve.services.registry.engine_snapshot import cache_summary, engine_record_fn
 
-    core = SimpleNamespace(kv=SimpleNamespace(pool=SimpleNamespace(
-        cached={bytes([i]) * 32: None for i in range(10)})))
+    cached = [bytes([i]) * 32 for i in range(10)]  # oldest first, as the pool keeps them
+    core = SimpleNamespace(cached_block_hashes=lambda limit: tuple(cached[-limit:]))
     summary = cache_summary(core, 3)
     assert summary == tuple(bytes([i]) * 8 for i in (7, 8, 9))  # the newest, shortened
     stats = EngineStats(num_running=2, num_waiting=3, kv_usage=0.4, num_waiting_tokens=99,
