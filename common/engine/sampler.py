@@ -104,8 +104,10 @@ def _suppress_min_tokens(logits, reqs) -> torch.Tensor:
     if not rows:
         return logits
     logits = logits.clone()
+    v = logits.shape[-1]
     for i, r in rows:
-        stops = list(r.params.stop_token_ids) + list(r.eos_token_ids)
+        # ids past the vocabulary are never produced, so there is nothing to forbid
+        stops = [t for t in (*r.params.stop_token_ids, *r.eos_token_ids) if t < v]
         if stops:
             logits[i, stops] = float("-inf")
     return logits
