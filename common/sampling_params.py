@@ -37,7 +37,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 -> disabled
     min_p: float = 0.0
-    seed: Optional[int] = None  # same seed, same output (on any path, see engine/random_stream)
+    seed: Optional[int] = None  # same seed, same output (on any path: common/random_stream)
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -11,6 +11,7 @@ other request goes on.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from typing import Callable, Optional
 
@@ -78,9 +79,9 @@ class EngineCore:
         sc = config.scheduler
         self.scheduler = Scheduler(self.kv, sc.max_num_seqs, sc.max_num_batched_tokens,
                                    sc.enable_chunked_prefill, self.connector)
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self._seeds = random.Random(config.seed)  # seeds for requests that bring none
         self.runner = ModelRunner(self.model, kv_caches, self.kv,
-                                  Sampler(cfg.vocab_size, self.generator), config.device,
+                                  Sampler(cfg.vocab_size), config.device,
                                   self.connector)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self._aborted: list[RequestOutput] = []
@@ -97,8 +98,8 @@ class EngineCore:
         if first_token_id is not None:
             self._validate(request_id, [first_token_id], params)
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        req = Request(request_id, prompt_token_ids, params, max_tokens, generator=gen,
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        req = Request(request_id, prompt_token_ids, params, max_tokens, seed=seed,
                       eos_token_ids=self.model_config.eos_token_ids or self.tokenizer.eos_token_ids)
         if first_token_id is not None:
             if max_tokens < 2:

@@ -59,10 +59,6 @@ def test_router_answers_400_naming_the_parameter(body, param):
     assert (info.value.status, info.value.param) == (400, param)
 
 
-def sampler(vocab):
-    return Sampler(vocab, torch.Generator().manual_seed(0))
-
-
 def _req(params, outputs=()):
     r = Request("r", [1, 2, 3], params, params.max_tokens, eos_token_ids=(4,))
     for t in outputs:
@@ -79,13 +75,13 @@ def test_min_tokens_with_stop_ids_past_the_vocabulary(temperature):
                             temperature=temperature, seed=1)
     logits = torch.zeros(1, 8)
     logits[0, 2] = logits[0, 4] = 50.0  # a stop id and the EOS would win without min_tokens
-    out = sampler(8)(logits, [_req(params)])
+    out = Sampler(8)(logits, [_req(params)])
     assert out.token_ids[0] not in (2, 4)
-    after = sampler(8)(logits, [_req(params, outputs=[5])])  # min_tokens reached
+    after = Sampler(8)(logits, [_req(params, outputs=[5])])  # min_tokens reached
     assert after.token_ids[0] in (2, 4)
 
 
 def test_tiny_temperature_is_greedy_not_nan():
     logits = torch.tensor([[0.5, 3.0, -1.0, 2.9]])
     p = SamplingParams(temperature=1e-30, seed=3)
-    assert p.greedy and sampler(4)(logits, [_req(p)]).token_ids == [1]
+    assert p.greedy and Sampler(4)(logits, [_req(p)]).token_ids == [1]

@@ -1,0 +1,96 @@
+"""Exact batched sampling by inverse CDF: one uniform per row, no noise over the vocabulary.
+
+Why inverse CDF and not Gumbel-max / the exponential race: the race needs a fresh random
+number per vocabulary entry per row per step (64 x 49,152 here), and counter-based noise
+(a hash per element, keyed by seed and position) costs several integer passes over that
+matrix. Inverse CDF needs one uniform per row; its tensor work is what any exact sampler
+does anyway (max, exp), plus one blocked sum. It is the same distribution: token i is drawn
+with probability w_i / sum(w), up to float64 rounding of the fp32 weights.
+
+Weights `w` are exp((logit - max) / T): the probabilities scaled so the top token weighs
+exactly 1, which makes min-p a plain threshold (w_i >= min_p) and needs no normalization.
+Drawing from a row of V weights is two searches of 256-wide float64 prefix sums: pick the
+block whose cumulative mass covers u * total, then the token inside it, so no float64 pass
+over the whole row and no precision loss from one long fp32 cumulative sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 256  # tokens per block of the two-level search
+TOP_P_CANDIDATES = 256  # top-p without top-k first looks at this many tokens, then the row
+
+
+def weights(logits: torch.Tensor, inv_temp: torch.Tensor) -> torch.Tensor:
+    """logits [n, V] fp32, inv_temp [n, 1] -> new [n, V] fp32 weights, the top one exactly 1
+    (the max subtracts to 0 before scaling, so exp gives 1.0 whatever the temperature)."""
+    w = logits - logits.amax(dim=-1, keepdim=True)
+    if bool((inv_temp != 1).any()):
+        w.mul_(inv_temp)
+    return w.exp_()
+
+
+def min_p_(w: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """In place: drop tokens under min_p [n, 1] times the top probability (w's top is 1)."""
+    return w.masked_fill_(w < min_p, 0.0)
+
+
+def pick(w: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse CDF on rows of non-negative weights w [n, m] for targets [n] fp64 in
+    [0, row total): the index j with cum[j-1] <= target < cum[j], and target - cum[j-1].
+    A target at or past the total (rounding) lands on the last positive weight, so a zero
+    weight is never picked."""
+    cum = w.cumsum(dim=-1, dtype=torch.float64)  # [n, m]
+    j = torch.searchsorted(cum, target.unsqueeze(1), right=True).squeeze(1)
+    last = (cum < cum[:, -1:]).sum(dim=-1)  # first index reaching the total = last positive
+    j = torch.minimum(j, last)
+    before = torch.where(j > 0, cum.gather(1, (j - 1).clamp(min=0).unsqueeze(1)).squeeze(1),
+                         torch.zeros_like(target))
+    return j, target - before
+
+
+def sample_rows(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token ids [n] drawn from full rows of weights w [n, V] with uniforms u [n] fp64."""
+    n, v = w.shape
+    pad = (-v) % BLOCK
+    blocks = (F.pad(w, (0, pad)) if pad else w).view(n, -1, BLOCK)  # [n, nb, BLOCK]
+    mass = blocks.sum(dim=-1, dtype=torch.float64)  # [n, nb]
+    b, rest = pick(mass, u * mass.sum(dim=-1))
+    inner = blocks[torch.arange(n), b]  # [n, BLOCK]
+    j, _ = pick(inner, rest)
+    return b * BLOCK + j
+
+
+def sample_filtered(w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token ids [n] from weights w [n, V] under top-k [n] (V = off), then top-p [n] (mass
+    relative to what top-k kept; the first token past p is kept), then min-p [n, 1]; u [n].
+    Looks at the top max(top-k) tokens, or TOP_P_CANDIDATES for top-p-only rows; rows whose
+    top-p set does not fit in that many are redone over the whole sorted row."""
+    v = w.shape[-1]
+    top_p_only = top_k >= v
+    k = int(torch.where(top_p_only, min(TOP_P_CANDIDATES, v), top_k).max())
+    total = torch.where(top_p_only, w.sum(dim=-1, dtype=torch.float64), 0.0)
+    tokens, fits = _sample_top(w, k, top_k, top_p, min_p, u, total)
+    redo = (~fits).nonzero().squeeze(1)
+    if redo.numel():
+        tokens[redo], _ = _sample_top(w[redo], v, top_k[redo], top_p[redo], min_p[redo],
+                                      u[redo], total[redo])
+    return tokens
+
+
+def _sample_top(w, k, top_k, top_p, min_p, u, total):
+    """Sample among each row's k largest weights; total [n] is the row's mass for top-p-only
+    rows (0 where top-k sets it). Returns tokens [n] and whether each row's top-p set fit."""
+    vals, idx = w.topk(k, dim=-1)  # [n, k] sorted, descending
+    vals = vals.masked_fill(torch.arange(k) >= top_k.unsqueeze(1), 0.0)
+    cum = vals.cumsum(dim=-1, dtype=torch.float64)  # [n, k]
+    total = torch.where(total > 0, total, cum[:, -1])
+    limit = torch.where(top_p < 1, top_p * total, torch.inf).unsqueeze(1)
+    fits = cum[:, -1] >= limit.squeeze(1)
+    vals = vals.masked_fill((cum - vals) >= limit, 0.0)  # mass before a token reached p
+    vals = min_p_(vals, min_p)
+    j, _ = pick(vals, u * vals.sum(dim=-1, dtype=torch.float64))
+    return idx.gather(1, j.unsqueeze(1)).squeeze(1), fits | (top_p >= 1)
