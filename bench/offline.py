@@ -39,6 +39,9 @@ def add_offline_subcommand(sub) -> None:
     p.add_argument("--cpu-gemm", choices=["auto", "onednn", "torch"], default="auto")
     p.add_argument("--skip-hf", action="store_true", help="only our engine (no ratio)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (the default); > 0 samples at this temperature, as "
+                   "served requests do (OpenAI's default is 1.0), both engines alike")
     p.set_defaults(func=run_offline)
 
 
@@ -95,9 +98,9 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [torch.randint(10, vocab - 10, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def run_ours(llm, prompts, output_len: int, batch1: bool) -> float:
+def run_ours(llm, prompts, output_len: int, batch1: bool, temperature: float = 0.0) -> float:
     from pdserve.common.sampling_params import SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
     llm.engine.pool.reset_prefix_cache()  # every repeat computes its prompts
     t = time.perf_counter()
     groups = [[p] for p in prompts] if batch1 else [prompts]
@@ -112,12 +115,12 @@ def build_hf(loaded):
     return hf_model_from_loaded(loaded)
 
 
-def run_hf(hf, prompts, output_len: int, batch1: bool) -> float:
+def run_hf(hf, prompts, output_len: int, batch1: bool, temperature: float = 0.0) -> float:
     from pdserve.bench.hf_peer import hf_generate
     t = time.perf_counter()
     groups = [[p] for p in prompts] if batch1 else [prompts]
     for g in groups:
-        hf_generate(hf, g, output_len)
+        hf_generate(hf, g, output_len, temperature)
     return time.perf_counter() - t
 
 
@@ -143,9 +146,9 @@ def run_offline(args) -> int:
     hf = None if args.skip_hf else build_hf(loaded)
     ours, theirs = [], []
     for _ in range(args.repeats):  # interleaved, so drift hits both alike
-        ours.append(run_ours(llm, prompts, args.output_len, args.batch1))
+        ours.append(run_ours(llm, prompts, args.output_len, args.batch1, args.temperature))
         if hf is not None:
-            theirs.append(run_hf(hf, prompts, args.output_len, args.batch1))
+            theirs.append(run_hf(hf, prompts, args.output_len, args.batch1, args.temperature))
     report(args, cfg, n_prompts, concurrency, ours, theirs)
     return 0
 
@@ -169,6 +172,7 @@ def report(args, cfg, n_prompts, concurrency, ours, theirs) -> None:
     res = {
         "model": args.model, "num_prompts": n_prompts, "input_len": args.input_len,
         "output_len": args.output_len, "batch1": args.batch1, "num_threads": args.num_threads,
+        "temperature": args.temperature,
         "repeats": args.repeats,
         "pdserve_s": t_ours, "pdserve_output_tok_s": n_out / t_ours,
         "matmul_gflops_prefill": rates_prefill["torch"] / 1e9,

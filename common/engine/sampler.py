@@ -40,11 +40,11 @@ class Sampler:
         logits = _suppress_min_tokens(logits, reqs)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if not rows:
-            tokens = logits.argmax(dim=-1)
+            tokens = sample_ops.argmax(logits)
         elif len(rows) == len(reqs):
             tokens = _sample(logits, reqs)
         else:
-            tokens = logits.argmax(dim=-1)  # greedy rows; the random ones are overwritten
+            tokens = sample_ops.argmax(logits)  # greedy rows; the random ones are overwritten
             tokens[rows] = _sample(logits[rows], [reqs[i] for i in rows])
         token_list = tokens.tolist()
         return SamplerOutput(token_list, _logprobs(raw, reqs, token_list))

@@ -58,10 +58,21 @@ FILTERS = [dict(), dict(top_k=5), dict(top_p=0.6), dict(top_p=0.97), dict(min_p=
 def test_grid_of_uniforms_gives_the_exact_distribution(kw, vocab, scale):
     """Inverse CDF turns M evenly spaced uniforms into each token (M * p_i) +- 1 times: the
     frequencies equal the reference filter's probabilities to 1/M. scale 0.3 makes a flat
-    row, where top-p needs more than TOP_P_CANDIDATES tokens (the whole-row fallback)."""
-    m = 8000
+    row, where top-p needs more than TOP_P_CANDIDATES[0] tokens (the whole-row fallback)."""
+    check_grid(kw, vocab, scale)
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.3), dict(top_p=0.6), dict(top_p=0.97),
+                                dict(top_k=500, top_p=0.9)], ids=str)
+def test_top_p_escalates_through_every_candidate_count(kw, monkeypatch):
+    """With candidate counts 8 then 64, a flat row's top-p set fits in the first, the second
+    or only the whole row; each level gives the exact distribution."""
+    monkeypatch.setattr(sample_ops, "TOP_P_CANDIDATES", (8, 64))
+    check_grid(kw, 600, 0.3)
+
+
+def check_grid(kw, vocab, scale, m=8000, temperature=0.8):
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(vocab)) * scale
-    temperature = 0.8
     ref = reference_probs(logits, temperature, **kw)
     u = (torch.arange(m, dtype=torch.float64) + 0.5) / m
     w = sample_ops.weights(logits.expand(m, vocab), torch.full((m, 1), 1 / temperature))
@@ -75,6 +86,16 @@ def test_grid_of_uniforms_gives_the_exact_distribution(kw, vocab, scale):
     freq = torch.bincount(tokens, minlength=vocab).double() / m
     assert (freq[ref == 0] == 0).all()
     assert (freq - ref).abs().max() <= 2.0 / m + 1e-6
+
+
+@pytest.mark.parametrize("vocab", [7, 256, 1000, 49152])
+def test_blocked_argmax_is_torch_argmax(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-3, 4, (50, vocab), generator=gen).float()  # many ties
+    x[0] = float("-inf")
+    x[1, -1] = 100.0  # in the padded tail block
+    x[2] = torch.randn(vocab, generator=gen)
+    assert torch.equal(sample_ops.argmax(x), x.argmax(dim=-1))
 
 
 def test_zero_weights_are_never_picked_even_at_the_edges():
