@@ -88,6 +88,16 @@ def check_grid(kw, vocab, scale, m=8000, temperature=0.8):
     assert (freq - ref).abs().max() <= 2.0 / m + 1e-6
 
 
+def test_weights_top_is_one_and_nothing_is_subnormal():
+    logits = torch.tensor([[5.0, float("-inf"), 5.0 - 86.0, 5.0 - 90.0, -1e30, 4.0]])
+    w = sample_ops.weights(logits, torch.ones(1, 1))
+    assert w[0, 0] == 1.0 and w[0, 1] == w[0, 3] == w[0, 4] == 0.0
+    assert w[0, 2] > 0 and w[0, 5] == pytest.approx(torch.e ** -1)
+    hot = sample_ops.weights(logits, torch.full((1, 1), 1 / 3.0))
+    assert hot[0, 0] == 1.0 and hot[0, 3] == pytest.approx(torch.e ** (-95 / 3), rel=1e-4)
+    assert ((w == 0) | (w >= torch.finfo(torch.float32).tiny)).all()
+
+
 @pytest.mark.parametrize("vocab", [7, 256, 1000, 49152])
 def test_blocked_argmax_is_torch_argmax(vocab):
     gen = torch.Generator().manual_seed(vocab)
