@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from pdserve.common.structured_output import StructuredOutput
+
 MAX_STOP_TOKEN_IDS = 1024  # a client cannot make every step scan an unbounded list
 MAX_TOKEN_ID = 2 ** 32 - 1  # proto uint32
 GREEDY_TEMPERATURE = 1e-5  # below this, 1/T overflows fp32 arithmetic: treat as greedy
@@ -48,6 +50,7 @@ class SamplingParams:
     logprobs: Optional[int] = None  # number of top logprobs per generated token (0 -> only chosen)
     min_tokens: int = 0
     cache_salt: Optional[str] = None
+    structured_output: Optional[StructuredOutput] = None  # a grammar the output must follow
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -80,6 +83,9 @@ class SamplingParams:
             _require(0 <= self.logprobs <= 20, "logprobs", "in [0, 20]", self.logprobs)
         _require(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                  f"in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        _require(self.structured_output is None
+                 or isinstance(self.structured_output, StructuredOutput), "structured_output",
+                 "a StructuredOutput or None", self.structured_output)
 
     def _check_types(self) -> None:
         """Types first: NaN fails every comparison and inf passes one-sided bounds, so each

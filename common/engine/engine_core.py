@@ -80,8 +80,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, sc.max_num_seqs, sc.max_num_batched_tokens,
                                    sc.enable_chunked_prefill, self.connector)
         self._seeds = random.Random(config.seed)  # seeds for requests that bring none
-        self.runner = ModelRunner(self.model, kv_caches, self.kv,
-                                  Sampler(cfg.vocab_size), config.device,
+        self.sampler = Sampler(cfg.vocab_size, self.tokenizer)
+        self.runner = ModelRunner(self.model, kv_caches, self.kv, self.sampler, config.device,
                                   self.connector)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self._aborted: list[RequestOutput] = []
@@ -95,6 +95,7 @@ class EngineCore:
         and already delivered; generation continues after it. `kv_params`: hints for the KV
         connector (e.g. "block_keys", the stored prompt blocks)."""
         self._validate(request_id, prompt_token_ids, params)
+        self.sampler.check(params)  # a structured_output that does not compile
         if first_token_id is not None:
             self._validate(request_id, [first_token_id], params)
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))

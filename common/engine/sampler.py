@@ -11,14 +11,19 @@ distribution, as OpenAI and vLLM report them.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from pdserve.common.engine import sample_ops
+from pdserve.common.engine.grammar import GrammarBackend, GrammarState
 from pdserve.common.random_stream import stream_key, uniform
 from pdserve.common.engine.request import Request
+from pdserve.common.structured_output import StructuredKind
+
+_JSON = (StructuredKind.JSON_SCHEMA, StructuredKind.JSON_OBJECT)
 
 
 @dataclass
@@ -28,8 +33,27 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, tokenizer=None):
+        """`tokenizer`: the engine's Tokenizer, needed only by structured outputs."""
         self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
+        self._grammar: Optional[GrammarBackend] = None  # built on the first constrained request
+        # one grammar state per live request; it goes with the request object
+        self._states: "weakref.WeakKeyDictionary[Request, GrammarState]" = \
+            weakref.WeakKeyDictionary()
+
+    def check(self, params) -> None:
+        """Raises ValueError if params.structured_output cannot be enforced (engines call
+        this when a request arrives, so a bad grammar is a 400, not a failed step)."""
+        if params.structured_output is not None:
+            self._backend().new_state(params.structured_output)
+
+    def _backend(self) -> GrammarBackend:
+        if self._grammar is None:
+            if self._tokenizer is None:
+                raise ValueError("structured_output needs the engine's tokenizer")
+            self._grammar = GrammarBackend(self._tokenizer, self.vocab_size)
+        return self._grammar
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """logits [N, V] fp32, reqs [N]; the k-th output token of a request is drawn with
@@ -38,6 +62,8 @@ class Sampler:
         if any(r.params.needs_penalties for r in reqs):
             logits = apply_penalties(logits.clone(), reqs)
         logits = _suppress_min_tokens(logits, reqs)
+        if any(r.params.structured_output is not None for r in reqs):
+            logits = self._mask_grammars(logits if logits is not raw else raw.clone(), reqs)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if not rows:
             tokens = sample_ops.argmax(logits)
@@ -48,6 +74,28 @@ class Sampler:
             tokens[rows] = _sample(logits[rows], [reqs[i] for i in rows])
         token_list = tokens.tolist()
         return SamplerOutput(token_list, _logprobs(raw, reqs, token_list))
+
+
+    def _mask_grammars(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """In place on a copy: each constrained row's forbidden tokens become -inf, after its
+        grammar state has accepted every output token it has not seen yet."""
+        backend = self._backend()
+        mask = backend.allocate_mask(len(reqs))  # [N, V/32] int32
+        rows = []
+        for i, r in enumerate(reqs):
+            spec = r.params.structured_output
+            if spec is None:
+                continue
+            state = self._states.get(r)
+            if state is None:
+                state = self._states[r] = backend.new_state(spec)
+            state.catch_up(r.output_token_ids)
+            if state.fill(mask, i):
+                rows.append(i)
+        if rows:
+            json_rows = [i for i in rows if reqs[i].params.structured_output.kind in _JSON]
+            backend.apply_mask(logits, mask, rows, json_rows)
+        return logits
 
 
 def _sample(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
