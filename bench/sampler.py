@@ -86,8 +86,9 @@ def _old_filter(logits, params):
     return logits
 
 
-def model_logits(rows: int) -> torch.Tensor:
-    """SmolLM2's logits at a decode step of `rows` random 32-token prompts [rows, V]."""
+def model_logits(rows: int):
+    """SmolLM2's logits at a decode step of `rows` random 32-token prompts [rows, V], and its
+    tokenizer."""
     from pdserve.common.config import CacheConfig, EngineConfig
     from pdserve.common.engine.llm import LLM
 
@@ -104,7 +105,7 @@ def model_logits(rows: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (32,), generator=gen).tolist() for _ in range(rows)]
     llm.generate(prompts, SamplingParams(max_tokens=3, temperature=1.0, seed=0, ignore_eos=True))
-    return next(x for x in reversed(seen) if x.shape[0] == rows)
+    return next(x for x in reversed(seen) if x.shape[0] == rows), llm.tokenizer
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -118,13 +119,14 @@ def _median_ms(fn, reps: int) -> float:
 
 def run(args) -> int:
     torch.set_num_threads(args.num_threads)
+    tokenizer = None
     if args.logits == "smollm2":
-        logits = model_logits(args.rows)
+        logits, tokenizer = model_logits(args.rows)
     else:
         gen = torch.Generator().manual_seed(0)
         logits = torch.randn(args.rows, args.vocab, generator=gen) * args.scale
     rows, vocab = logits.shape
-    sampler = Sampler(vocab)
+    sampler = Sampler(vocab, tokenizer)
     results = {}
     print(f"{'case':<20}{'old ms':>10}{'new ms':>10}{'old/new':>10}")
     for name, kw in CASES.items():
@@ -143,11 +145,50 @@ def run(args) -> int:
         o, n = statistics.median(old), statistics.median(new)
         results[name] = {"old_ms": o, "new_ms": n, "ratio": o / n}
         print(f"{name:<20}{o:>10.2f}{n:>10.2f}{o / n:>10.1f}")
+    if tokenizer is not None:
+        results["json_schema"] = _structured_case(sampler, logits, tokenizer, args.reps)
     line = {"bench": "sampler", "rows": rows, "vocab": vocab, "logits": args.logits,
             "num_threads": args.num_threads, "reps": args.reps, "cpu": _cpu(),
             "cases": results}
     print(json.dumps(line))
     return 0
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}},
+    "address": {"type": "object", "properties": {"city": {"type": "string"},
+                                                 "zip": {"type": "string"}},
+                "required": ["city", "zip"]}},
+    "required": ["name", "age", "tags", "address"]}
+DOC = {"name": "Ada Lovelace", "age": 36, "tags": ["a", "ccc"],
+       "address": {"city": "London", "zip": "12345"}}
+
+
+def _structured_case(sampler, logits, tokenizer, reps: int) -> dict:
+    """Every row constrained by SCHEMA at a different point of a valid document (row i has
+    generated its first i % len tokens): the step's grammar work (mask fill per row, bitmask
+    applied) on top of temperature-1 sampling, against the same rows unconstrained."""
+    from pdserve.common.structured_output import StructuredKind, StructuredOutput
+
+    so = StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(SCHEMA))
+    doc = tokenizer.encode(json.dumps(DOC))
+    reqs, plain = [], []
+    for i in range(logits.shape[0]):
+        for kw, out in ((dict(structured_output=so), reqs), ({}, plain)):
+            r = Request(f"s{i}", [1], SamplingParams(seed=i, max_tokens=64, **kw), 64)
+            for t in doc[:i % len(doc)]:
+                r.append_token(t)
+            out.append(r)
+    sampler(logits, reqs)  # warm-up: compiles, replays each row's tokens once
+    base, con = [], []
+    for _ in range(reps):
+        base.append(_median_ms(lambda: sampler(logits, plain), 1))
+        con.append(_median_ms(lambda: sampler(logits, reqs), 1))
+    b, c = statistics.median(base), statistics.median(con)
+    print(f"{'json_schema':<20}{b:>10.2f}{c:>10.2f}{b / c:>10.1f}   (unconstrained vs "
+          f"{len(reqs)} constrained rows)")
+    return {"old_ms": b, "new_ms": c, "ratio": b / c, "note": "unconstrained vs constrained"}
 
 
 def _cpu() -> str:
