@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 
 BLOCK = 256  # tokens per block of the two-level search
-TOP_P_CANDIDATES = (256, 4096)  # top-p without top-k looks at this many tokens, then the row
+TOP_P_CANDIDATES = (256, 4096)  # top-p without top-k looks at this many tokens, in turn
+KEY_STEPS = 32  # weight buckets per factor of 2 in the top-p histogram
+NUM_KEYS = 127 * KEY_STEPS  # buckets of weights in [1.7e-38 (2**-125.5), 1]
 
 
 EXP_FLOOR = -87.0  # exp(-87) = 1.65e-38, just above fp32's smallest normal (1.18e-38)
@@ -90,22 +92,54 @@ def sample_filtered(w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     """Token ids [n] from weights w [n, V] under top-k [n] (V = off), then top-p [n] (mass
     relative to what top-k kept; the first token past p is kept), then min-p [n, 1]; u [n].
     Looks at the top max(top-k) tokens, or TOP_P_CANDIDATES[0] for top-p-only rows; rows
-    whose top-p set does not fit in that many are redone with the next count, then with the
-    whole sorted row (a top-k of a few thousand costs a fraction of a full sort)."""
+    whose top-p set needs more are redone with the next count, and rows that need more than
+    all of them (flat distributions) find their set with a weight histogram (top_p_keep_)
+    instead of sorting the row."""
     v = w.shape[-1]
     top_p_only = top_k >= v
     k = int(torch.where(top_p_only, min(TOP_P_CANDIDATES[0], v), top_k).max())
     total = torch.where(top_p_only, w.sum(dim=-1, dtype=torch.float64), 0.0)
     tokens, fits = _sample_top(w, k, top_k, top_p, min_p, u, total)
     rows = torch.arange(len(u))
-    for k in [c for c in TOP_P_CANDIDATES[1:] if c < v] + [v]:
-        redo = (~fits).nonzero().squeeze(1)
+    for k in [c for c in TOP_P_CANDIDATES[1:] if c < v]:
+        redo = (~fits).nonzero().squeeze(1)  # top-p-only rows, by construction
         if not redo.numel():
-            break
+            return tokens
         rows = rows[redo]
         tokens[rows], fits = _sample_top(w[rows], k, top_k[rows], top_p[rows], min_p[rows],
                                          u[rows], total[rows])
+    rows = rows[(~fits).nonzero().squeeze(1)]
+    if rows.numel():
+        rest = top_p_keep_(w[rows], top_p[rows])
+        tokens[rows] = sample_rows(min_p_(rest, min_p[rows]), u[rows])
     return tokens
+
+
+def top_p_keep_(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """In place on weights w [n, V] (top 1, zeros allowed), top_p [n] fp64: zero every token
+    outside the smallest set of heaviest tokens whose mass reaches top_p * total.
+
+    A histogram of the mass by weight bucket (floor(log2(w) * KEY_STEPS)) finds the bucket
+    where the running mass from the top crosses the limit: heavier buckets are in, lighter
+    ones out, and only that bucket's tokens are sorted, which gives the lightest weight kept.
+    Tokens tied in weight with it are all kept (a sort would keep an arbitrary few)."""
+    n = w.shape[0]
+    key = torch.log2(w).mul_(KEY_STEPS).floor_()  # [n, V] in [-NUM_KEYS, 0]; -inf where 0
+    slot = key.clamp(min=1 - NUM_KEYS).add_(NUM_KEYS - 1).long()  # 0 .. NUM_KEYS - 1
+    mass = torch.zeros(n, NUM_KEYS).scatter_add_(1, slot, w)  # [n, NUM_KEYS]
+    from_top = mass.flip(-1).cumsum(dim=-1, dtype=torch.float64)  # mass at or above
+    limit = top_p * from_top[:, -1]
+    pos = torch.searchsorted(from_top, limit.unsqueeze(1)).squeeze(1).clamp(max=NUM_KEYS - 1)
+    edge = (-pos).unsqueeze(1).to(key.dtype)  # [n, 1] the key where the limit is crossed
+    above = torch.where(pos > 0, from_top.gather(1, (pos - 1).clamp(min=0).unsqueeze(1))
+                        .squeeze(1), torch.zeros_like(limit))
+    in_edge = key == edge
+    c = max(int(in_edge.sum(dim=-1).max()), 1)
+    vals, _ = torch.where(in_edge, w, 0.0).topk(c, dim=-1)  # [n, c] the edge bucket, sorted
+    cum = above.unsqueeze(1) + vals.cumsum(dim=-1, dtype=torch.float64)
+    kept = ((cum - vals) < limit.unsqueeze(1)) & (vals > 0)
+    floor = torch.where(kept, vals, torch.inf).amin(dim=-1, keepdim=True)  # lightest kept
+    return w.masked_fill_(w < floor, 0.0)  # heavier buckets are all >= floor, lighter below
 
 
 def _sample_top(w, k, top_k, top_p, min_p, u, total):

@@ -62,13 +62,23 @@ def test_grid_of_uniforms_gives_the_exact_distribution(kw, vocab, scale):
     check_grid(kw, vocab, scale)
 
 
-@pytest.mark.parametrize("kw", [dict(top_p=0.3), dict(top_p=0.6), dict(top_p=0.97),
+@pytest.mark.parametrize("kw", [dict(top_p=0.01), dict(top_p=0.15), dict(top_p=0.3),
+                                dict(top_p=0.6), dict(top_p=0.97), dict(top_p=0.9, min_p=0.5),
                                 dict(top_k=500, top_p=0.9)], ids=str)
-def test_top_p_escalates_through_every_candidate_count(kw, monkeypatch):
-    """With candidate counts 8 then 64, a flat row's top-p set fits in the first, the second
-    or only the whole row; each level gives the exact distribution."""
-    monkeypatch.setattr(sample_ops, "TOP_P_CANDIDATES", (8, 64))
+def test_top_p_escalates_to_more_candidates_then_the_histogram(kw, monkeypatch):
+    """With candidate counts 8 then 128, a flat row's top-p set fits in the first (p=0.01),
+    the second (0.15) or neither (the histogram path); each gives the exact distribution."""
+    monkeypatch.setattr(sample_ops, "TOP_P_CANDIDATES", (8, 128))
     check_grid(kw, 600, 0.3)
+
+
+def test_histogram_top_p_keeps_the_heaviest_prefix_and_its_ties():
+    w = torch.tensor([[1.0, 0.5, 0.5, 0.25, 0.0, 0.125, 0.125]])  # total 2.5
+    expect = {0.3: [1, 0, 0, 0, 0, 0, 0], 0.5: [1, 1, 1, 0, 0, 0, 0],  # the tie kept whole
+              0.85: [1, 1, 1, 1, 0, 0, 0], 0.99: [1, 1, 1, 1, 0, 1, 1]}
+    for p, keep in expect.items():
+        out = sample_ops.top_p_keep_(w.clone(), torch.tensor([p], dtype=torch.float64))
+        assert ((out > 0).int()[0].tolist()) == keep, p
 
 
 def check_grid(kw, vocab, scale, m=8000, temperature=0.8):
