@@ -33,8 +33,12 @@ def hf_model_from_loaded(loaded):
 
 
 @torch.inference_mode()
-def hf_generate(model, prompts: list[list[int]], output_len: int) -> torch.Tensor:
-    """Greedy, exactly output_len new tokens per prompt, prompts left-padded into one batch."""
+def hf_generate(model, prompts: list[list[int]], output_len: int,
+                temperature: float = 0.0) -> torch.Tensor:
+    """Exactly output_len new tokens per prompt, prompts left-padded into one batch; greedy,
+    or sampled at `temperature` > 0 with no top-k / top-p (as our engine samples then)."""
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) \
+        if temperature > 0 else dict(do_sample=False)
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -42,5 +46,5 @@ def hf_generate(model, prompts: list[list[int]], output_len: int) -> torch.Tenso
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                         min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+                         min_new_tokens=output_len, pad_token_id=0, **sampling)
     return out[:, width:]

@@ -48,6 +48,9 @@ def add_offline_subcommand(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     from pdserve.common.engine.cli import add_parallel_args
     add_parallel_args(p)  # T > 1: against TP=1 with T x --num-threads threads (offline_tp.py)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (the default); > 0 samples at this temperature, as "
+                   "served requests do (OpenAI's default is 1.0), both engines alike")
     p.set_defaults(func=run_offline)
 
 
@@ -108,9 +111,9 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [torch.randint(10, vocab - 10, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def run_ours(llm, prompts, output_len: int, batch1: bool) -> float:
+def run_ours(llm, prompts, output_len: int, batch1: bool, temperature: float = 0.0) -> float:
     from pdserve.common.sampling_params import SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
     llm.engine.pool.reset_prefix_cache()  # every repeat computes its prompts
     t = time.perf_counter()
     groups = [[p] for p in prompts] if batch1 else [prompts]
@@ -125,12 +128,12 @@ def build_hf(loaded):
     return hf_model_from_loaded(loaded)
 
 
-def run_hf(hf, prompts, output_len: int, batch1: bool) -> float:
+def run_hf(hf, prompts, output_len: int, batch1: bool, temperature: float = 0.0) -> float:
     from pdserve.bench.hf_peer import hf_generate
     t = time.perf_counter()
     groups = [[p] for p in prompts] if batch1 else [prompts]
     for g in groups:
-        hf_generate(hf, g, output_len)
+        hf_generate(hf, g, output_len, temperature)
     return time.perf_counter() - t
 
 
@@ -181,11 +184,12 @@ def run_offline(args) -> int:
         loaded[modes[0]], weights=expand_weights(loaded[modes[0]].weights)))
     ours: dict[str, list[float]] = {m: [] for m in modes}
     theirs = []
+    t = args.temperature
     for _ in range(args.repeats):  # interleaved, so drift hits all alike
         for m in modes:
-            ours[m].append(run_ours(llms[m], prompts, args.output_len, args.batch1))
+            ours[m].append(run_ours(llms[m], prompts, args.output_len, args.batch1, t))
         if hf is not None:
-            theirs.append(run_hf(hf, prompts, args.output_len, args.batch1))
+            theirs.append(run_hf(hf, prompts, args.output_len, args.batch1, t))
     report(args, cfg, n_prompts, concurrency, ours[modes[0]], theirs,
            weights_report(args, cfg, llms, ours, n_prompts * args.output_len))
     return 0
@@ -232,6 +236,7 @@ def report(args, cfg, n_prompts, concurrency, ours, theirs, extra: dict | None =
     res = {
         "model": args.model, "num_prompts": n_prompts, "input_len": args.input_len,
         "output_len": args.output_len, "batch1": args.batch1, "num_threads": args.num_threads,
+        "temperature": args.temperature,
         "repeats": args.repeats,
         "pdserve_s": t_ours, "pdserve_output_tok_s": n_out / t_ours,
         "matmul_gflops_prefill": rates_prefill["torch"] / 1e9,

@@ -18,6 +18,7 @@ other request goes on.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from typing import Callable, Optional
 
@@ -95,8 +96,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, sc.max_num_seqs, sc.max_num_batched_tokens,
                                    sc.enable_chunked_prefill, self.connector,
                                    self.outputs.check_stop)
-        self.generator = torch.Generator().manual_seed(config.seed)
-        self.sampler = Sampler(cfg.vocab_size, self.generator)
+        self._seeds = random.Random(config.seed)  # seeds for requests that bring none
+        self.sampler = Sampler(cfg.vocab_size, self.tokenizer)
         self._aborted: list[RequestOutput] = []
 
     def _start_executor(self, loaded: LoadedModel, num_blocks: int, given: bool) -> Executor:
@@ -137,6 +138,7 @@ class EngineCore:
         (max_tokens, the sampler's position). `kv_transfer`: where the prompt's KV was stored
         (a consumer's connector loads it)."""
         self._validate(request_id, prompt_token_ids, params)
+        self.sampler.check(params)  # a structured_output that does not compile
         delivered = list(resumed_token_ids)
         if first_token_id is not None:
             if delivered:
@@ -149,8 +151,8 @@ class EngineCore:
         if kv_transfer is not None and not isinstance(kv_transfer, KVTransferParams):
             raise ValueError("kv_transfer must be a KVTransferParams")
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        req = Request(request_id, prompt_token_ids, params, max_tokens, generator=gen,
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        req = Request(request_id, prompt_token_ids, params, max_tokens, seed=seed,
                       eos_token_ids=self.model_config.eos_token_ids or self.tokenizer.eos_token_ids)
         if delivered:
             if max_tokens <= len(delivered):

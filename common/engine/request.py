@@ -13,7 +13,6 @@ import enum
 import time
 from typing import Optional
 
-import torch
 
 from pdserve.common.engine.kv_transfer import NO_KV_TRANSFER, KVTransferParams
 from pdserve.common.engine.outputs import FinishReason, TokenLogprob
@@ -50,7 +49,7 @@ class InvalidTransition(RuntimeError):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, arrival_time: Optional[float] = None,
-                 generator: Optional[torch.Generator] = None,
+                 seed: Optional[int] = None,
                  eos_token_ids: tuple[int, ...] = ()):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -59,7 +58,8 @@ class Request:
         self.params = params
         self.max_tokens = max_tokens  # params.max_tokens capped by the model length
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.generator = generator  # per-request RNG when params.seed is set
+        # the sampling stream's seed: params.seed, or one the engine drew at arrival
+        self.seed = seed if seed is not None else (params.seed or 0)
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.status = RequestStatus.WAITING
         self.history: list[RequestStatus] = [RequestStatus.WAITING]

@@ -1,20 +1,29 @@
 """Sampling from a batch of logits, one row per request that completes a sequence this step.
 
 Greedy rows take the argmax of the (penalized) logits. Random rows apply temperature, top-k,
-top-p and min-p, then draw with the exponential-race trick (argmax of p / Exp(1) noise), where
-the noise row comes from the request's own generator when it has a seed: the same seed gives
-the same output whatever else is in the batch. Log-probabilities are those of the model's raw
+top-p and min-p and draw by inverse CDF with one uniform per row (sample_ops), all rows at
+once. A request's k-th output token uses `random_stream.uniform(key(seed), k)`: a function of
+its seed and k only, so the same seed gives the same output whatever else is in the batch,
+whichever row it is, and on whichever instance or path (prefill then decode, store hit,
+preempted) the token is sampled. Log-probabilities are those of the model's raw
 distribution, as OpenAI and vLLM report them.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from pdserve.common.engine import sample_ops
+from pdserve.common.engine.grammar import GrammarBackend, GrammarState
+from pdserve.common.random_stream import stream_key, uniform
 from pdserve.common.engine.request import Request
+from pdserve.common.structured_output import StructuredKind
+
+_JSON = (StructuredKind.JSON_SCHEMA, StructuredKind.JSON_OBJECT)
 
 
 @dataclass
@@ -24,57 +33,94 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, generator: torch.Generator):
+    def __init__(self, vocab_size: int, tokenizer=None):
+        """`tokenizer`: the engine's Tokenizer, needed only by structured outputs."""
         self.vocab_size = vocab_size
-        self.generator = generator  # for requests without a seed
+        self._tokenizer = tokenizer
+        self._grammar: Optional[GrammarBackend] = None  # built on the first constrained request
+        # one grammar state per live request; it goes with the request object
+        self._states: "weakref.WeakKeyDictionary[Request, GrammarState]" = \
+            weakref.WeakKeyDictionary()
+
+    def check(self, params) -> None:
+        """Raises ValueError if params.structured_output cannot be enforced (engines call
+        this when a request arrives, so a bad grammar is a 400, not a failed step)."""
+        if params.structured_output is not None:
+            self._backend().new_state(params.structured_output)
+
+    def _backend(self) -> GrammarBackend:
+        if self._grammar is None:
+            if self._tokenizer is None:
+                raise ValueError("structured_output needs the engine's tokenizer")
+            self._grammar = GrammarBackend(self._tokenizer, self.vocab_size)
+        return self._grammar
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
-        """logits [N, V] fp32, reqs [N]."""
+        """logits [N, V] fp32, reqs [N]; the k-th output token of a request is drawn with
+        uniform(stream_key(req.seed), k), k = its outputs so far."""
         raw = logits
         if any(r.params.needs_penalties for r in reqs):
             logits = apply_penalties(logits.clone(), reqs)
         logits = _suppress_min_tokens(logits, reqs)
-        greedy = [r.params.greedy for r in reqs]
-        if all(greedy):
-            tokens = logits.argmax(dim=-1)
+        if any(r.params.structured_output is not None for r in reqs):
+            logits = self._mask_grammars(logits if logits is not raw else raw.clone(), reqs)
+        rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if not rows:
+            tokens = sample_ops.argmax(logits)
+        elif len(rows) == len(reqs):
+            tokens = _sample(logits, reqs)
         else:
-            tokens = self._sample(logits, reqs, greedy)
+            tokens = sample_ops.argmax(logits)  # greedy rows; the random ones are overwritten
+            tokens[rows] = _sample(logits[rows], [reqs[i] for i in rows])
         token_list = tokens.tolist()
         return SamplerOutput(token_list, _logprobs(raw, reqs, token_list))
 
-    def _sample(self, logits, reqs, greedy) -> torch.Tensor:
-        tokens = logits.argmax(dim=-1)
-        rows = [i for i, g in enumerate(greedy) if not g]
-        sub = logits[rows]
-        temps = torch.tensor([reqs[i].params.temperature for i in rows]).unsqueeze(1)
-        probs = _filter(sub / temps, [reqs[i].params for i in rows]).softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(rows):
-            noise[j].exponential_(generator=reqs[i].generator or self.generator)
-        tokens[rows] = (probs / noise).argmax(dim=-1)
-        return tokens
+
+    def _mask_grammars(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """In place on a copy: each constrained row's forbidden tokens become -inf, after its
+        grammar state has accepted every output token it has not seen yet."""
+        backend = self._backend()
+        mask = backend.allocate_mask(len(reqs))  # [N, V/32] int32
+        rows = []
+        for i, r in enumerate(reqs):
+            spec = r.params.structured_output
+            if spec is None:
+                continue
+            state = self._states.get(r)
+            if state is None:
+                state = self._states[r] = backend.new_state(spec)
+            state.catch_up(r.output_token_ids)
+            if state.fill(mask, i):
+                rows.append(i)
+        if rows:
+            json_rows = [i for i in rows if reqs[i].params.structured_output.kind in _JSON]
+            backend.apply_mask(logits, mask, rows, json_rows)
+        return logits
 
 
-def _filter(logits: torch.Tensor, params) -> torch.Tensor:
-    """Top-k, top-p and min-p as -inf masks on logits [n, V]."""
-    top_ks = [p.top_k for p in params]
-    if any(k > 0 for k in top_ks):
-        v = logits.shape[-1]
-        k = torch.tensor([k if k > 0 else v for k in top_ks]).clamp(max=v)
-        kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    top_ps = torch.tensor([p.top_p for p in params])
-    if (top_ps < 1).any():
-        sorted_logits, idx = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = (cum - sorted_logits.softmax(-1)) >= top_ps.unsqueeze(1)  # keep the first past p
-        logits = logits.scatter(1, idx, sorted_logits.masked_fill(drop, float("-inf")))
-    min_ps = torch.tensor([p.min_p for p in params])
-    if (min_ps > 0).any():
-        probs = logits.softmax(-1)
-        floor = probs.max(-1, keepdim=True).values * min_ps.unsqueeze(1)
-        logits = logits.masked_fill(probs < floor, float("-inf"))
-    return logits
+def _sample(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Random rows: logits [n, V] -> token ids [n]."""
+    n, v = logits.shape
+    params = [r.params for r in reqs]
+    u = torch.tensor([uniform(stream_key(r.seed), r.num_output_tokens) for r in reqs],
+                     dtype=torch.float64)  # [n]
+    inv_temp = torch.tensor([1.0 / p.temperature for p in params]).unsqueeze(1)  # [n, 1]
+    w = sample_ops.weights(logits, inv_temp)  # [n, V]
+    min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)  # [n, 1]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in params])  # [n]
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)  # [n]
+    filtered = (top_k < v) | (top_p < 1)
+    if not bool(filtered.any()):
+        if bool((min_p > 0).any()):
+            sample_ops.min_p_(w, min_p)
+        return sample_ops.sample_rows(w, u)
+    if bool(filtered.all()):
+        return sample_ops.sample_filtered(w, top_k, top_p, min_p, u)
+    tokens = torch.empty(n, dtype=torch.long)
+    f, plain = filtered.nonzero().squeeze(1), (~filtered).nonzero().squeeze(1)
+    tokens[f] = sample_ops.sample_filtered(w[f], top_k[f], top_p[f], min_p[f], u[f])
+    tokens[plain] = sample_ops.sample_rows(sample_ops.min_p_(w[plain], min_p[plain]), u[plain])
+    return tokens
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -104,8 +150,10 @@ def _suppress_min_tokens(logits, reqs) -> torch.Tensor:
     if not rows:
         return logits
     logits = logits.clone()
+    v = logits.shape[-1]
     for i, r in rows:
-        stops = list(r.params.stop_token_ids) + list(r.eos_token_ids)
+        # ids past the vocabulary are never produced, so there is nothing to forbid
+        stops = [t for t in (*r.params.stop_token_ids, *r.eos_token_ids) if t < v]
         if stops:
             logits[i, stops] = float("-inf")
     return logits

@@ -116,6 +116,8 @@ def params_from_proto(msg: pb.SamplingParams, cache_salt: Optional[str] = None) 
 
 
 def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    if p.structured_output is not None:  # refused, not silently dropped
+        raise ValueError("structured_output is not carried over gRPC yet")
     msg = pb.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
         min_p=p.min_p, repetition_penalty=p.repetition_penalty,

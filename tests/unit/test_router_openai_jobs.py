@@ -2,6 +2,7 @@
 
 import pytest
 
+from pdserve.common.random_stream import derive_seed
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.services.common.convert import params_from_proto, params_to_proto
 from pdserve.services.router.config import RouterConfig
@@ -33,7 +34,7 @@ def test_completion_defaults_and_forms():
     job = comp(prompt=["A", "BC"], n=2, seed=5)
     assert [c.index for c in job.choices] == [0, 1, 2, 3]
     assert [c.prompt_token_ids for c in job.choices] == [(65,), (65,), (66, 67), (66, 67)]
-    assert [c.params.seed for c in job.choices] == [5, 6, 5, 6]
+    assert [c.params.seed for c in job.choices] == [5, derive_seed(5, 1)] * 2
     assert comp(prompt=[7, 8, 9]).choices[0].prompt_token_ids == (7, 8, 9)
 
 

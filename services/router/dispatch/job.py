@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from pdserve.common.random_stream import derive_seed
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.services.router.api.errors import bad_request
 
@@ -35,7 +36,8 @@ class Job:
 
 def fan_out(request_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
             max_n: int, cache_salt: Optional[str]) -> Job:
-    """n choices per prompt, indexed prompt-major as OpenAI does; seed+j keeps them distinct."""
+    """n choices per prompt, indexed prompt-major as OpenAI does; choice j of a seeded request
+    samples with derive_seed(seed, j) (j = 0 keeps the seed)."""
     if not 1 <= n <= max_n:
         raise bad_request(f"n must be in [1, {max_n}], got {n}", param="n")
     if len(prompts) * n > max_n:
@@ -45,7 +47,7 @@ def fan_out(request_id: str, prompts: list[list[int]], params: SamplingParams, n
     for prompt in prompts:
         for j in range(n):
             p = params if params.seed is None or j == 0 else \
-                dataclasses.replace(params, seed=params.seed + j)
+                dataclasses.replace(params, seed=derive_seed(params.seed, j))
             choices.append(Choice(len(choices), tuple(prompt), p))
     return Job(request_id, tuple(choices), cache_salt, n)
 
