@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_transport_subcommand(bench_sub)
     from pdserve.bench.router import add_router_bench_subcommand
     add_router_bench_subcommand(bench_sub)
-    from pdserve.bench.sampler import add_sampler_subcommand
+    from pdserve.bench.sampler_args import add_sampler_subcommand
     add_sampler_subcommand(bench_sub)
     return parser
 

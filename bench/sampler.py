@@ -22,10 +22,9 @@ import torch
 
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.sampler import Sampler
+from pdserve.bench.sampler_args import sampler_args
 from pdserve.common.sampling_params import SamplingParams
 
-# (the `pdserve bench` parser imports this module; the engine's modules are light, torch is
-# what every bench loads anyway)
 
 CASES = {
     "temperature=1": dict(temperature=1.0),
@@ -35,21 +34,6 @@ CASES = {
     "top_k+top_p+min_p": dict(temperature=0.8, top_k=100, top_p=0.9, min_p=0.02),
     "greedy": dict(temperature=0.0),
 }
-
-
-def add_sampler_subcommand(sub) -> None:
-    p = sub.add_parser("sampler", help="per-step sampling time, new sampler vs the old one")
-    _args(p)
-    p.set_defaults(func=run)
-
-
-def _args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rows", type=int, default=64, help="requests sampled per step")
-    p.add_argument("--num-threads", type=int, default=2)
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--logits", choices=["smollm2", "synthetic"], default="smollm2")
-    p.add_argument("--vocab", type=int, default=49152, help="synthetic logits only")
-    p.add_argument("--scale", type=float, default=4.0, help="synthetic logits' std")
 
 
 def old_sample(logits: torch.Tensor, reqs: list[Request], gens: list[torch.Generator]):
@@ -204,7 +188,7 @@ def _cpu() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pdserve.bench.sampler")
-    _args(p)
+    sampler_args(p)
     return run(p.parse_args(argv))
 
 
