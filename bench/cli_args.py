@@ -84,6 +84,14 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                         "failures are reported first either way")
     s.add_argument("--no-per-request", action="store_true",
                    help="leave per-request records out of the result file")
+    s.add_argument("--chaos-kill-every", type=float, default=0.0, metavar="K",
+                   help="also run the load with faults: SIGKILL a random engine every K "
+                        "seconds from the launcher's list (--chaos-services), after a run "
+                        "without faults; reports the share of right texts and goodput")
+    s.add_argument("--chaos-services", default="",
+                   help="the services.json in `pdserve up`'s log folder")
+    s.add_argument("--chaos-kinds", default="decode",
+                   help="comma-separated service name prefixes that may be killed")
 
 
 def target_from(args, base_url: str = "", grpc_addr: str = "", label: str = "") -> TargetConfig:
@@ -103,10 +111,16 @@ def serve_config_from(args, target: TargetConfig) -> ServeConfig:
         max_total_len=args.max_total_len, output_len_fixed=args.sharegpt_fixed_output,
         seed=args.seed)
     arrivals = ArrivalConfig(args.arrival, args.rate, args.burstiness, args.concurrency)
+    chaos = None
+    if getattr(args, "chaos_kill_every", 0):
+        from pdserve.bench.chaos import ChaosConfig
+
+        chaos = ChaosConfig(args.chaos_services, args.chaos_kill_every,
+                            tuple(k for k in args.chaos_kinds.split(",") if k), args.seed)
     return ServeConfig(target=target, workload=wl, arrivals=arrivals,
                        slos=tuple(parse_slo(s) for s in args.slo), tokenizer=args.tokenizer,
                        out_dir=args.out_dir, progress=not args.no_progress,
-                       keep_requests=not args.no_per_request)
+                       keep_requests=not args.no_per_request, chaos=chaos)
 
 
 def parse_rates(text: str) -> tuple[float, ...]:

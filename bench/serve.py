@@ -35,6 +35,7 @@ class ServeConfig:
     progress: bool = True
     peer: Optional[TargetConfig] = None
     keep_requests: bool = True  # per-request records in the result file
+    chaos: Optional[object] = None  # a chaos.ChaosConfig: also run with faults injected
 
     def __post_init__(self):
         names = [s.tier for s in self.slos]
@@ -128,6 +129,8 @@ def run_serve(cfg: ServeConfig, stem: str = "serve") -> dict:
     print(format_table(summary, f"== {cfg.target.name}: {cfg.arrivals.describe()}"), flush=True)
     line = dict(bench="serve", target=cfg.target.name, **headline(summary),
                 **write_outputs(summary, records, cfg, out_dir, stem))
+    if cfg.chaos is not None:
+        line["chaos"] = _chaos_run(cfg, requests, summary, records)
     if cfg.peer is not None:
         psum, precs = measure(cfg.peer, requests, replace(cfg, target=cfg.peer))
         print(format_table(psum, f"== peer {cfg.peer.name}"), flush=True)
@@ -135,3 +138,22 @@ def run_serve(cfg: ServeConfig, stem: str = "serve") -> dict:
         line["peer"] = dict(target=cfg.peer.name, **headline(psum))
         line["ratio_vs_peer"] = peer_ratios(headline(summary), line["peer"])
     return line
+
+
+def _chaos_run(cfg: ServeConfig, requests, summary: dict, records) -> dict:
+    """The same load again while engines are killed; compared with the run without faults."""
+    from pdserve.bench.chaos import Chaos, right_text_share
+    from pdserve.bench.report import format_table
+
+    chaos = Chaos(cfg.chaos).start()
+    try:
+        csum, crecs = measure(cfg.target, requests, cfg)
+    finally:
+        kills = chaos.stop()
+    print(format_table(csum, f"== {cfg.target.name} with a kill every "
+                             f"{cfg.chaos.every_s:g}s ({len(kills)} kills)"), flush=True)
+    return {"kills": kills, "right_text_share": right_text_share(records, crecs),
+            "failed": csum["failed"], "goodput_rps": csum["goodput_rps"],
+            "goodput_ratio_vs_no_faults": ratio(csum["goodput_rps"], summary["goodput_rps"]),
+            "output_throughput_ratio_vs_no_faults": ratio(csum["output_throughput"],
+                                                          summary["output_throughput"])}

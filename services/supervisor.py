@@ -13,6 +13,7 @@ stops a process: the launcher does that, in reverse start order, once `watch` re
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -73,6 +74,7 @@ class Supervisor:
             t0 = time.monotonic()
             step.child.start()
             self.started.append(step.child)
+            self._write_pids()
             wait_until(step.ready, step.child, self._startup_timeout_s, stop)
             w.started_at = time.monotonic()
             self._say(f"  {step.child.name:<12} ready in {w.started_at - t0:.1f}s"
@@ -94,12 +96,22 @@ class Supervisor:
         elif w.state == "waiting" and now >= w.due:
             w.restarts += 1
             child.start()
+            self._write_pids()
             w.state, w.started_at = "restarting", now
             self._say(f"  {child.name:<12} restarting (restart {w.restarts})")
         elif w.state == "restarting" and w.step.ready():
             w.state = "ready"
             self._say(f"  {child.name:<12} ready again after {now - w.started_at:.1f}s"
                       f"{_extra(w.step)}")
+
+    def _write_pids(self) -> None:
+        if not self.started:
+            return
+        path = self.started[0].log_path.parent / "services.json"
+        pids = {c.name: c.proc.pid for c in self.started if c.proc is not None}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(pids))
+        tmp.replace(path)  # readers never see half a file
 
     def restarts(self, name: str) -> int:
         return next(w.restarts for w in self._watched if w.step.child.name == name)

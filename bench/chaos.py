@@ -1,0 +1,69 @@
+"""`pdserve bench serve --chaos-kill-every K`: fault injection from the launcher's own list.
+
+Lifecycle: `Chaos(cfg).start()` starts a thread that, every `every_s` seconds, reads
+`<up log dir>/services.json` (name -> pid, which `pdserve up` rewrites whenever it starts or
+restarts a service), picks one service whose name starts with one of `kinds` at random
+(seeded) and SIGKILLs it; `stop()` ends the thread and returns the kills made. The launcher
+restarts what was killed, so the run measures serving through faults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    services_file: str  # the launcher's services.json
+    every_s: float
+    kinds: tuple[str, ...] = ("decode",)  # name prefixes that may be killed
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.every_s <= 0 or not self.kinds or not self.services_file:
+            raise ValueError("chaos needs every_s > 0, kinds and the services file")
+
+
+class Chaos:
+    def __init__(self, cfg: ChaosConfig):
+        self.cfg = cfg
+        self._rng = random.Random(cfg.seed)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos", daemon=True)
+        self.kills: list[str] = []
+
+    def start(self) -> "Chaos":
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[str]:
+        self._stop.set()
+        self._thread.join(10)
+        return self.kills
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.cfg.every_s):
+            pids = json.loads(Path(self.cfg.services_file).read_text())
+            names = sorted(n for n in pids if n.startswith(self.cfg.kinds))
+            if not names:
+                continue
+            name = self._rng.choice(names)
+            try:
+                os.kill(int(pids[name]), signal.SIGKILL)
+            except ProcessLookupError:
+                continue  # already gone (restarting)
+            self.kills.append(name)
+            print(f"chaos: killed {name} (pid {pids[name]})", flush=True)
+
+
+def right_text_share(baseline, faulty) -> float:
+    """Share of the faulty run's requests that finished with the baseline's text."""
+    base = {r.index: r.text for r in baseline if r.ok}
+    good = sum(1 for r in faulty if r.ok and r.index in base and r.text == base[r.index])
+    return good / len(faulty) if faulty else 0.0
