@@ -32,7 +32,7 @@ DECODE = "pdserve.v1.DecodeService/Decode"
 
 
 def router_propagates() -> bool:
-    src = "".join(p.read_text() for p in ROUTER_SRC.glob("*.py"))
+    src = "".join(p.read_text() for p in ROUTER_SRC.rglob("*.py"))
     return "inject_metadata(" in src or "client_interceptors(" in src
 
 
