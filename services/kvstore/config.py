@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+GiB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -19,18 +22,27 @@ class MasterConfig:
     heartbeat_interval_s: float = 1.0
     node_timeout_s: float = 5.0  # no heartbeat for this long -> the node and its replicas go
     sweep_interval_s: float = 0.5
+    # Bounds on what a caller may ask for (checked at the gRPC edge, before any state changes).
+    max_lease_s: float = 3600.0  # a PutStart lease above this is refused
+    max_node_capacity: int = 1024 * GiB  # a RegisterNode claiming more is refused
+    max_batch_keys: int = 8192  # keys per call: a 131k-token prompt at 16-token blocks
+    max_replicas: int = 8  # replica_num above this is refused
+    max_concurrent_rpcs: int = 1024  # more wait in no queue: RESOURCE_EXHAUSTED
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
-        if self.replica_num < 1:
-            raise ValueError("replica_num must be >= 1")
+        if not 1 <= self.replica_num <= self.max_replicas:
+            raise ValueError("replica_num must be in [1, max_replicas]")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ValueError("need 0 < low_watermark < high_watermark <= 1")
         for name in ("read_lease_s", "put_timeout_s", "heartbeat_interval_s",
-                     "node_timeout_s", "sweep_interval_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
+                     "node_timeout_s", "sweep_interval_s", "max_lease_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be positive and finite")
+        for name in ("max_node_capacity", "max_batch_keys", "max_concurrent_rpcs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
         if self.node_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("node_timeout_s must exceed heartbeat_interval_s")
 

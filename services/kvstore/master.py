@@ -21,6 +21,7 @@ from typing import Callable
 
 from pdserve.services.kvstore.allocator import OffsetAllocator
 from pdserve.services.kvstore.config import MasterConfig
+from pdserve.services.kvstore.limits import check_lease
 from pdserve.services.kvstore.metadata import RedisMetaStore
 from pdserve.services.kvstore.records import (NodeInfo, NodeUsage, ObjectMeta, ObjectState,
                                               PutStart, PutStatus, Replica, ReplicaList,
@@ -89,6 +90,7 @@ class MasterCore:
                         replica_num: int = 0) -> PutStart:
         if size <= 0:
             raise ValueError("size must be positive")
+        check_lease(lease_s, self._cfg)  # the edge checked too; NaN would never expire
         async with self._lock:
             if key in self._objects:
                 return PutStart(PutStatus.EXISTS)

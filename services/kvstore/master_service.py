@@ -8,6 +8,7 @@ the sweeps, then the server, then closes Redis. `run_master` runs it until SIGTE
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -16,14 +17,23 @@ import redis.asyncio as aioredis
 
 from pdserve.common.rpc import kvstore_pb2 as pb
 from pdserve.common.rpc import kvstore_pb2_grpc as pb_grpc
-from pdserve.services.kvstore import convert
+from pdserve.services.kvstore import convert, limits
 from pdserve.services.kvstore.config import MasterConfig
 from pdserve.services.kvstore.master import MasterCore
 from pdserve.services.kvstore.metadata import RedisMetaStore
 
-MAX_BATCH_KEYS = 8192  # per BatchGetReplicaList: a 131k-token prompt at 16-token blocks
-
 log = logging.getLogger(__name__)
+
+
+def _checked(method):
+    """A servicer method whose ValueError (a limits check) is the caller's INVALID_ARGUMENT."""
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    return wrapper
 
 
 class MasterServicer(pb_grpc.KVStoreMasterServicer):
@@ -31,53 +41,64 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
         self._core = core
         self._cfg = cfg
 
+    def _keys(self, keys) -> list[bytes]:
+        return limits.check_keys(keys, self._cfg)
+
+    @_checked
     async def PutStart(self, request, context):
-        if request.size == 0 or request.lease_s < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "size must be > 0, lease >= 0")
+        limits.check_put_start(request.key, request.size, request.lease_s, request.replica_num,
+                               self._cfg)
         res = await self._core.put_start(request.key, request.size, request.lease_s,
                                          request.replica_num)
         return convert.put_start_to_pb(res)
 
+    @_checked
     async def PutEnd(self, request, context):
+        limits.check_key(request.key)
         return pb.PutEndResponse(ok=await self._core.put_end(request.key))
 
+    @_checked
     async def PutRevoke(self, request, context):
+        limits.check_key(request.key)
         return pb.PutRevokeResponse(ok=await self._core.put_revoke(request.key))
 
+    @_checked
     async def GetReplicaList(self, request, context):
+        limits.check_key(request.key)
         return convert.replica_list_to_pb(await self._core.get_replicas(request.key))
 
+    @_checked
     async def BatchGetReplicaList(self, request, context):
-        if len(request.keys) > MAX_BATCH_KEYS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"at most {MAX_BATCH_KEYS} keys per lookup, got "
-                                f"{len(request.keys)}")
-        found = await self._core.get_replicas_many(list(request.keys))
+        found = await self._core.get_replicas_many(self._keys(request.keys))
         return pb.BatchGetReplicaListResponse(
             lists=[convert.replica_list_to_pb(rl) for rl in found])
 
+    @_checked
     async def BatchExists(self, request, context):
-        return pb.BatchExistsResponse(exists=self._core.batch_exists(list(request.keys)))
+        return pb.BatchExistsResponse(exists=self._core.batch_exists(self._keys(request.keys)))
 
+    @_checked
     async def PrefixLookup(self, request, context):
-        return pb.PrefixLookupResponse(count=self._core.prefix_lookup(list(request.keys)))
+        return pb.PrefixLookupResponse(count=self._core.prefix_lookup(self._keys(request.keys)))
 
+    @_checked
     async def Remove(self, request, context):
-        return pb.RemoveResponse(removed=await self._core.remove(list(request.keys),
+        return pb.RemoveResponse(removed=await self._core.remove(self._keys(request.keys),
                                                                  request.force))
 
+    @_checked
     async def RegisterNode(self, request, context):
-        try:
-            node = convert.node_from_pb(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        await self._core.register_node(node)
+        limits.check_node(request.node_id, request.address, request.capacity,
+                          request.incarnation, self._cfg)
+        await self._core.register_node(convert.node_from_pb(request))
         return pb.RegisterNodeResponse(heartbeat_interval_s=self._cfg.heartbeat_interval_s)
 
+    @_checked
     async def Heartbeat(self, request, context):
         return pb.HeartbeatResponse(known=self._core.heartbeat(request.node_id,
                                                                request.incarnation))
 
+    @_checked
     async def Stats(self, request, context):
         return convert.stats_to_pb(self._core.stats())
 
@@ -110,7 +131,7 @@ async def start_master(cfg: MasterConfig) -> RunningMaster:
     redis = aioredis.Redis.from_url(cfg.redis_url)
     core = MasterCore(cfg, RedisMetaStore(redis, cfg.namespace))
     await core.start()
-    server = grpc.aio.server()
+    server = grpc.aio.server(maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
     pb_grpc.add_KVStoreMasterServicer_to_server(MasterServicer(core, cfg), server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     if port == 0:

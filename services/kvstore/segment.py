@@ -3,12 +3,15 @@
 The segment is one preallocated uint8 buffer; the master decides every offset, so the node
 only checks bounds. Writes land straight in the segment (the handler names the landing
 slice before the payload is received) and reads send a view of it: no copy on either side.
+A request is checked in full before any byte of its payload is received: its header must
+decode, a READ carries no payload, a WRITE's payload is exactly its length and in bounds.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from pdserve.connector.transport import FrameRejected
 from pdserve.services.kvstore.node_protocol import READ, WRITE, NodeOp
 
 
@@ -31,25 +34,27 @@ class SegmentHandler:
     def __init__(self, segment: Segment):
         self._segment = segment
 
-    def payload_buffer(self, header: bytes, nbytes: int) -> memoryview | None:
+    def _target(self, header: bytes) -> tuple[NodeOp, memoryview]:
         try:
             op = NodeOp.decode(header)
-        except ValueError:
-            return None  # handle() reports it
-        if op.op == WRITE and op.length == nbytes:
-            try:
-                return self._segment.slice(op.offset, op.length)
-            except ValueError:
-                return None
-        return None
+            return op, self._segment.slice(op.offset, op.length)
+        except ValueError as exc:
+            raise FrameRejected(str(exc)) from None
+
+    def payload_buffer(self, header: bytes, nbytes: int) -> memoryview | None:
+        op, target = self._target(header)
+        if op.op == READ:
+            if nbytes:
+                raise FrameRejected("a READ carries no payload")
+            return None
+        if nbytes != op.length:
+            raise FrameRejected(f"write of {nbytes} bytes, header says {op.length}")
+        return target
 
     async def handle(self, header: bytes, payload: memoryview):
-        op = NodeOp.decode(header)
-        target = self._segment.slice(op.offset, op.length)
+        op, target = self._target(header)
         if op.op == READ:
             return b"", target
-        if len(payload) != op.length:
-            raise ValueError(f"write of {len(payload)} bytes, header says {op.length}")
-        if payload.obj is not target.obj:  # not landed in place (bounds refused or size off)
-            target[:] = payload
+        if payload.obj is not target.obj:  # payload_buffer always lands a WRITE in place
+            raise FrameRejected("write did not land in the segment")
         return b"", b""
