@@ -58,7 +58,7 @@ class ServiceKVConnector(StoreKVConnector):
 
 def connector_factory(settings: KVStoreSettings) -> Callable:
     def build(engine) -> StoreKVConnector:
-        from pdserve.services.kvstore.client import KVStoreClient
+        from pdserve.connector.kvstore.client import KVStoreClient
 
         cfg = engine.model_config
         codec = BlockCodec(engine.fingerprint, cfg.num_layers, engine.kv.block_size,

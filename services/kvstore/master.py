@@ -23,7 +23,7 @@ from pdserve.services.kvstore.allocator import OffsetAllocator
 from pdserve.services.kvstore.config import MasterConfig
 from pdserve.services.kvstore.limits import check_lease
 from pdserve.services.kvstore.metadata import RedisMetaStore
-from pdserve.services.kvstore.records import (NodeInfo, NodeUsage, ObjectMeta, ObjectState,
+from pdserve.connector.kvstore.records import (NodeInfo, NodeUsage, ObjectMeta, ObjectState,
                                               PutStart, PutStatus, Replica, ReplicaList,
                                               StoreStats)
 

@@ -17,7 +17,8 @@ import redis.asyncio as aioredis
 
 from pdserve.common.rpc import kvstore_pb2 as pb
 from pdserve.common.rpc import kvstore_pb2_grpc as pb_grpc
-from pdserve.services.kvstore import convert, limits
+from pdserve.connector.kvstore import convert
+from pdserve.services.kvstore import limits
 from pdserve.services.kvstore.config import MasterConfig
 from pdserve.services.kvstore.master import MasterCore
 from pdserve.services.kvstore.metadata import RedisMetaStore

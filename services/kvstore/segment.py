@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from pdserve.connector.transport import FrameRejected
-from pdserve.services.kvstore.node_protocol import READ, WRITE, NodeOp
+from pdserve.connector.kvstore.node_protocol import READ, WRITE, NodeOp
 
 
 class Segment:

@@ -18,9 +18,9 @@ import pytest
 from pdserve.common.rpc import kvstore_pb2 as pb
 from pdserve.common.rpc import kvstore_pb2_grpc as pb_grpc
 from pdserve.connector.transport import ucx_available
-from pdserve.services.kvstore.client import KVStoreClient
-from pdserve.services.kvstore.errors import KVStoreUnavailable
-from pdserve.services.kvstore.records import PutStatus
+from pdserve.connector.kvstore.client import KVStoreClient
+from pdserve.connector.kvstore.errors import KVStoreUnavailable
+from pdserve.connector.kvstore.records import PutStatus
 from pdserve.services.kvstore.redis_proc import RedisProcess
 from pdserve.services.launcher import Child, free_port, wait_until
 

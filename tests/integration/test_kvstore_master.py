@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 from pdserve.services.kvstore.config import MasterConfig
 from pdserve.services.kvstore.master import MasterCore
 from pdserve.services.kvstore.metadata import RedisMetaStore
-from pdserve.services.kvstore.records import NodeInfo, PutStatus
+from pdserve.connector.kvstore.records import NodeInfo, PutStatus
 from pdserve.services.kvstore.redis_proc import RedisProcess
 
 MiB = 1 << 20

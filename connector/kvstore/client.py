@@ -19,11 +19,11 @@ from pdserve.common.rpc import kvstore_pb2 as pb
 from pdserve.common.rpc import kvstore_pb2_grpc as pb_grpc
 from pdserve.connector.transport import RemoteError, Transport, TransportError, make_transport
 from pdserve.connector.transport.base import Buffer, as_bytes_view
-from pdserve.services.kvstore import convert
-from pdserve.services.kvstore.conn_pool import ConnectionPool
-from pdserve.services.kvstore.errors import KVStoreUnavailable
-from pdserve.services.kvstore.node_protocol import READ, WRITE, NodeOp
-from pdserve.services.kvstore.records import PutStatus, Replica, ReplicaList, StoreStats
+from pdserve.connector.kvstore import convert
+from pdserve.connector.kvstore.conn_pool import ConnectionPool
+from pdserve.connector.kvstore.errors import KVStoreUnavailable
+from pdserve.connector.kvstore.node_protocol import READ, WRITE, NodeOp
+from pdserve.connector.kvstore.records import PutStatus, Replica, ReplicaList, StoreStats
 
 log = logging.getLogger(__name__)
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pdserve.common.rpc import kvstore_pb2 as pb
-from pdserve.services.kvstore.records import (NodeInfo, NodeUsage, PutStart, PutStatus,
-                                              Replica, ReplicaList, StoreStats)
+from pdserve.connector.kvstore.records import (NodeInfo, NodeUsage, PutStart, PutStatus,
+                                               Replica, ReplicaList, StoreStats)
 
 _PUT_STATUS = {
     PutStatus.OK: pb.PUT_START_OK,
