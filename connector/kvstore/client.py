@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from typing import Optional
 
 import grpc
 
@@ -20,6 +22,7 @@ from pdserve.common.rpc import kvstore_pb2_grpc as pb_grpc
 from pdserve.connector.transport import RemoteError, Transport, TransportError, make_transport
 from pdserve.connector.transport.base import Buffer, as_bytes_view
 from pdserve.connector.kvstore import convert
+from pdserve.connector.kvstore.auth import StoreKeys, remove_body, sign_token
 from pdserve.connector.kvstore.conn_pool import ConnectionPool
 from pdserve.connector.kvstore.errors import KVStoreUnavailable
 from pdserve.connector.kvstore.node_protocol import READ, WRITE, NodeOp
@@ -32,7 +35,9 @@ _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 
 class KVStoreClient:
     def __init__(self, master_addr: str, transport: Transport | str = "auto", *,
-                 rpc_timeout_s: float = 5.0, conns_per_node: int = 4):
+                 rpc_timeout_s: float = 5.0, conns_per_node: int = 4,
+                 store_keys: Optional[StoreKeys] = None):
+        self._store_keys = store_keys  # only admin calls (remove) need them
         self._transport = make_transport(transport) if isinstance(transport, str) else transport
         self._channel = grpc.aio.insecure_channel(master_addr)
         self._stub = pb_grpc.KVStoreMasterStub(self._channel)
@@ -82,7 +87,7 @@ class KVStoreClient:
         return PutStatus.OK if ended.ok else PutStatus.REVOKED
 
     async def _write(self, replica: Replica, view: memoryview) -> None:
-        header = NodeOp(WRITE, replica.offset, len(view)).encode()
+        header = NodeOp(WRITE, replica.offset, len(view), replica.capability).encode()
         try:
             async with self._pool.connection(replica.address) as conn:
                 await conn.request(header, view)
@@ -96,8 +101,12 @@ class KVStoreClient:
             log.warning("PutRevoke failed (%s); the master's put timeout will reclaim it", exc)
 
     async def remove(self, keys: list[bytes], force: bool = False) -> int:
-        resp = await self._call("Remove", pb.RemoveRequest(keys=keys, force=force))
-        return resp.removed
+        """An admin call: needs the store keys when the master has a store secret."""
+        req = pb.RemoveRequest(keys=keys, force=force)
+        if self._store_keys is not None:
+            req.auth = sign_token(self._store_keys.admin, b"remove", remove_body(keys, force),
+                                  time.time())
+        return (await self._call("Remove", req)).removed
 
     # ---- reads -------------------------------------------------------------------------
 
@@ -153,8 +162,8 @@ class KVStoreClient:
         for r in found.replicas:
             try:
                 async with self._pool.connection(r.address) as conn:
-                    msg = await conn.request(NodeOp(READ, r.offset, found.size).encode(),
-                                             out=out)
+                    msg = await conn.request(
+                        NodeOp(READ, r.offset, found.size, r.capability).encode(), out=out)
                 if len(msg.payload) == len(out):  # then it landed in `out`
                     return
                 errors.append(f"{r.node_id}: answered {len(msg.payload)} bytes")

@@ -28,6 +28,10 @@ class MasterConfig:
     max_batch_keys: int = 8192  # keys per call: a 131k-token prompt at 16-token blocks
     max_replicas: int = 8  # replica_num above this is refused
     max_concurrent_rpcs: int = 1024  # more wait in no queue: RESOURCE_EXHAUSTED
+    # The store secret (docs/kvstore-security.md): "" -> $PDSERVE_KV_STORE_SECRET_FILE, and
+    # with neither the store runs unauthenticated (a warning says so).
+    store_secret_file: str = ""
+    token_max_age_s: float = 60.0  # a registration/admin token older than this is refused
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -37,7 +41,7 @@ class MasterConfig:
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ValueError("need 0 < low_watermark < high_watermark <= 1")
         for name in ("read_lease_s", "put_timeout_s", "heartbeat_interval_s",
-                     "node_timeout_s", "sweep_interval_s", "max_lease_s"):
+                     "node_timeout_s", "sweep_interval_s", "max_lease_s", "token_max_age_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be positive and finite")
         for name in ("max_node_capacity", "max_batch_keys", "max_concurrent_rpcs"):
@@ -55,10 +59,14 @@ class NodeConfig:
     capacity: int = 1 << 30  # segment bytes
     node_id: str = ""  # empty -> host:port
     transport: str = "auto"  # auto | ucx | tcp
+    store_secret_file: str = ""  # as MasterConfig's; must hold the master's secret
+    grant_skew_s: float = 2.0  # tolerated clock difference with the master on capabilities
 
     def __post_init__(self):
         if self.capacity <= 0:
             raise ValueError("capacity must be positive")
+        if not 0 <= self.grant_skew_s <= 60:
+            raise ValueError("grant_skew_s must be in [0, 60]")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
         if self.transport not in ("auto", "ucx", "tcp"):

@@ -6,6 +6,9 @@ gets a fresh heartbeat grace period. Each call then changes memory and writes Re
 answers. `sweep()`, run periodically by the service, drops nodes that stopped heartbeating
 (with their replicas) and revokes writes whose writer never ended them.
 
+With store keys, every replica handed out carries a capability the master signs: a write grant
+until the put's deadline with PutStart, a read grant for read_lease_s with each lookup.
+
 One lock serializes the calls: the master is a metadata service and its calls are short, so
 correctness beats parallelism here.
 """
@@ -17,15 +20,17 @@ import dataclasses
 import logging
 import random
 import time
-from typing import Callable
+from typing import Callable, Optional
 
+from pdserve.connector.kvstore.auth import StoreKeys, sign_capability
+from pdserve.connector.kvstore.node_protocol import READ, WRITE
 from pdserve.services.kvstore.allocator import OffsetAllocator
 from pdserve.services.kvstore.config import MasterConfig
 from pdserve.services.kvstore.limits import check_lease
 from pdserve.services.kvstore.metadata import RedisMetaStore
 from pdserve.connector.kvstore.records import (NodeInfo, NodeUsage, ObjectMeta, ObjectState,
-                                              PutStart, PutStatus, Replica, ReplicaList,
-                                              StoreStats)
+                                               PutStart, PutStatus, Replica, ReplicaList,
+                                               StoreStats)
 
 log = logging.getLogger(__name__)
 _EVICTION_SAMPLE = 16  # approximate LRU: the oldest of a random sample, as Redis does
@@ -33,8 +38,9 @@ _EVICTION_SAMPLE = 16  # approximate LRU: the oldest of a random sample, as Redi
 
 class MasterCore:
     def __init__(self, cfg: MasterConfig, meta: RedisMetaStore,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, keys: Optional[StoreKeys] = None):
         self._cfg = cfg
+        self._keys = keys
         self._meta = meta
         self._clock = clock
         self._lock = asyncio.Lock()
@@ -108,7 +114,15 @@ class MasterCore:
                               now + self._cfg.put_timeout_s)
             self._index(meta)
             await self._meta.save_objects([meta])
-            return PutStart(PutStatus.OK, replicas)
+            return PutStart(PutStatus.OK, self._granted(replicas, WRITE, size, meta.put_deadline))
+
+    def _granted(self, replicas: tuple[Replica, ...], op: bytes, size: int,
+                 until: float) -> tuple[Replica, ...]:
+        """The replicas, each with a capability for `op` on its range until `until`."""
+        if self._keys is None:
+            return replicas
+        return tuple(dataclasses.replace(r, capability=sign_capability(
+            self._keys.grant, op, r.node_id, r.offset, size, until)) for r in replicas)
 
     def _place(self, size, want, live, evicted) -> tuple[Replica, ...] | None:
         """`want` replicas on distinct nodes, emptiest first; None (nothing held) if no room."""
@@ -209,7 +223,8 @@ class MasterCore:
                     lease_until=max(meta.lease_until, now + self._cfg.read_lease_s))
                 self._objects[key] = meta
                 renewed.append(meta)
-                found.append(ReplicaList(meta.size, meta.replicas))
+                found.append(ReplicaList(meta.size, self._granted(
+                    meta.replicas, READ, meta.size, now + self._cfg.read_lease_s)))
             if renewed:
                 await self._meta.save_objects(renewed)
             return found

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import grpc
 import redis.asyncio as aioredis
@@ -18,12 +20,22 @@ import redis.asyncio as aioredis
 from pdserve.common.rpc import kvstore_pb2 as pb
 from pdserve.common.rpc import kvstore_pb2_grpc as pb_grpc
 from pdserve.connector.kvstore import convert
+from pdserve.connector.kvstore.auth import (AuthError, StoreKeys, check_token,
+                                           load_store_keys, register_body, remove_body)
 from pdserve.services.kvstore import limits
 from pdserve.services.kvstore.config import MasterConfig
 from pdserve.services.kvstore.master import MasterCore
 from pdserve.services.kvstore.metadata import RedisMetaStore
 
 log = logging.getLogger(__name__)
+
+
+def _ADMIN(keys: StoreKeys) -> bytes:
+    return keys.admin
+
+
+def _REGISTER(keys: StoreKeys) -> bytes:
+    return keys.register
 
 
 def _checked(method):
@@ -38,11 +50,26 @@ def _checked(method):
 
 
 class MasterServicer(pb_grpc.KVStoreMasterServicer):
-    def __init__(self, core: MasterCore, cfg: MasterConfig):
+    def __init__(self, core: MasterCore, cfg: MasterConfig, keys: Optional[StoreKeys] = None,
+                 clock: Callable[[], float] = time.time):
         self._core = core
         self._cfg = cfg
+        self._keys = keys
+        self._clock = clock
 
-    def _keys(self, keys) -> list[bytes]:
+    async def _authorize(self, context, which: Callable[[StoreKeys], bytes], label: bytes,
+                         body: bytes, token: bytes) -> None:
+        """Abort with UNAUTHENTICATED unless `token` proves the caller holds the store secret."""
+        if self._keys is None:
+            return
+        try:
+            check_token(which(self._keys), label, body, token, self._clock(),
+                        self._cfg.token_max_age_s)
+        except AuthError as exc:
+            log.warning("refused %s: %s (peer %s)", label.decode(), exc, context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+
+    def _checked_keys(self, keys) -> list[bytes]:
         return limits.check_keys(keys, self._cfg)
 
     @_checked
@@ -70,28 +97,35 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
 
     @_checked
     async def BatchGetReplicaList(self, request, context):
-        found = await self._core.get_replicas_many(self._keys(request.keys))
+        found = await self._core.get_replicas_many(self._checked_keys(request.keys))
         return pb.BatchGetReplicaListResponse(
             lists=[convert.replica_list_to_pb(rl) for rl in found])
 
     @_checked
     async def BatchExists(self, request, context):
-        return pb.BatchExistsResponse(exists=self._core.batch_exists(self._keys(request.keys)))
+        keys = self._checked_keys(request.keys)
+        return pb.BatchExistsResponse(exists=self._core.batch_exists(keys))
 
     @_checked
     async def PrefixLookup(self, request, context):
-        return pb.PrefixLookupResponse(count=self._core.prefix_lookup(self._keys(request.keys)))
+        keys = self._checked_keys(request.keys)
+        return pb.PrefixLookupResponse(count=self._core.prefix_lookup(keys))
 
     @_checked
     async def Remove(self, request, context):
-        return pb.RemoveResponse(removed=await self._core.remove(self._keys(request.keys),
-                                                                 request.force))
+        keys = self._checked_keys(request.keys)
+        await self._authorize(context, _ADMIN, b"remove", remove_body(keys, request.force),
+                              request.auth)
+        return pb.RemoveResponse(removed=await self._core.remove(keys, request.force))
 
     @_checked
     async def RegisterNode(self, request, context):
         limits.check_node(request.node_id, request.address, request.capacity,
                           request.incarnation, self._cfg)
-        await self._core.register_node(convert.node_from_pb(request))
+        node = convert.node_from_pb(request)
+        await self._authorize(context, _REGISTER, b"register", register_body(node),
+                              request.auth)
+        await self._core.register_node(node)
         return pb.RegisterNodeResponse(heartbeat_interval_s=self._cfg.heartbeat_interval_s)
 
     @_checked
@@ -129,11 +163,12 @@ async def _sweep_forever(core: MasterCore, interval_s: float) -> None:
 
 
 async def start_master(cfg: MasterConfig) -> RunningMaster:
+    keys = load_store_keys(cfg.store_secret_file)
     redis = aioredis.Redis.from_url(cfg.redis_url)
-    core = MasterCore(cfg, RedisMetaStore(redis, cfg.namespace))
+    core = MasterCore(cfg, RedisMetaStore(redis, cfg.namespace), keys=keys)
     await core.start()
     server = grpc.aio.server(maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
-    pb_grpc.add_KVStoreMasterServicer_to_server(MasterServicer(core, cfg), server)
+    pb_grpc.add_KVStoreMasterServicer_to_server(MasterServicer(core, cfg, keys), server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     if port == 0:
         await redis.aclose()
