@@ -147,7 +147,7 @@ class EngineCore:
             return outputs
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            if self.scheduler.kv_waiting or self.scheduler.held:
+            if self.scheduler.kv_waiting or self.scheduler.held or self.scheduler.lookup_pending:
                 time.sleep(0.0005)  # only connector I/O is pending: don't spin
             return outputs
         result = self.runner.execute(sched.scheduled)

@@ -46,6 +46,7 @@ class Scheduler:
         self.kv = kv
         self.connector = connector
         self.kv_waiting: dict[str, Request] = {}  # WAITING_FOR_KV
+        self.lookup_pending = False  # the waiting head's store lookup runs (connector I/O)
         self.held: dict[str, Request] = {}  # ended, blocks still in the connector's hands
         self.num_load_failures = 0
         self.saved_ids: list[str] = []  # held requests whose saves finished; engine drains
@@ -67,6 +68,7 @@ class Scheduler:
         return bool(self.requests) or bool(self.held)
 
     def schedule(self) -> SchedulerOutput:
+        self.lookup_pending = False
         self.poll_connector()
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.token_budget)
@@ -98,6 +100,9 @@ class Scheduler:
             else:
                 hits, n_cached = self.kv.get_computed_blocks(req)
                 ext = self._external_tokens(req, n_cached)
+                if ext is None:  # the connector's store lookup is still running
+                    self.lookup_pending = True
+                    return
                 if ext:
                     if not self._start_load(req, hits, n_cached, ext):
                         return
@@ -123,13 +128,16 @@ class Scheduler:
             self.kv.record_prefix_lookup(req.num_tokens, n_cached)
         req.num_computed_tokens = n_cached
 
-    def _external_tokens(self, req: Request, n_cached: int) -> int:
+    def _external_tokens(self, req: Request, n_cached: int) -> Optional[int]:
         if self.connector is None:
             return 0
         bs = self.kv.block_size
         self.kv.update_block_hashes(req)  # also without prefix caching: the keys name the blocks
         limit = (req.num_tokens - 1) // bs * bs - n_cached  # leave a token to compute
-        ext = min(self.connector.get_num_new_matched_tokens(req, n_cached), limit)
+        matched = self.connector.get_num_new_matched_tokens(req, n_cached)
+        if matched is None:
+            return None
+        ext = min(matched, limit)
         return max(ext, 0) // bs * bs
 
     def _start_load(self, req: Request, hits, n_cached: int, ext: int) -> bool:

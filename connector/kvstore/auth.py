@@ -68,6 +68,7 @@ def derive(secret: bytes, label: bytes) -> bytes:
     return hmac.new(secret, b"pdserve-kv/" + label, hashlib.sha256).digest()
 
 
+UNKEYED_MAC_KEY = b"pdserve-kv-unkeyed-block-mac"  # without a block secret: integrity only
 STORE_SECRET_ENV = "PDSERVE_KV_STORE_SECRET_FILE"
 BLOCK_SECRET_ENV = "PDSERVE_KV_BLOCK_SECRET_FILE"
 

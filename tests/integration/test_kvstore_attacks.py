@@ -162,3 +162,24 @@ def test_a_stale_admin_token_is_refused(cluster):
     with pytest.raises(grpc.RpcError) as err:
         _stub(maddr).Remove(pb.RemoveRequest(keys=[b"x"], force=True, auth=old), timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_store_keys_are_unpredictable_without_the_block_secret(cluster):
+    """Engines store a block under a keyed hash of its block hash: an attacker who computes
+    the block hash (model and prompt known) finds nothing there, so cannot probe it, and a
+    block it writes under the raw hash is never read by the engines."""
+    from pdserve.connector.kvstore.auth import BlockKeys
+
+    maddr, _, _ = cluster
+    engine_keys = BlockKeys.from_secret(b"the engines' block secret")
+
+    async def main():
+        async with KVStoreClient(maddr, "tcp", block_keys=engine_keys) as engine, \
+                KVStoreClient(maddr, "tcp") as attacker:
+            assert await attacker.put(b"H" * 32, b"forged" * 100, lease_s=60) is PutStatus.OK
+            assert await engine.prefix_lookup([b"H" * 32]) == 0  # the squat is not seen
+            assert await engine.put(b"H" * 32, BLOCK, lease_s=60) is PutStatus.OK
+            assert await engine.get(b"H" * 32) == BLOCK
+            assert await attacker.get(b"H" * 32) == b"forged" * 100
+            assert await attacker.prefix_lookup([engine_keys.object_key(b"H" * 32)]) == 1
+    _run(main())
