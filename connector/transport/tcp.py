@@ -26,8 +26,20 @@ _RESPONSES = (framing.KIND_OK, framing.KIND_ERROR)
 MAX_CONNECTIONS = 1024  # per listener; more are closed on accept (each holds a task)
 
 
+# TCP keepalive: a peer that vanished (power loss, partition) is found within about
+# IDLE + INTERVAL * COUNT seconds on an idle connection, instead of never.
+KEEPALIVE_IDLE_S = 10
+KEEPALIVE_INTERVAL_S = 5
+KEEPALIVE_COUNT = 3
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # headers are tiny
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                       ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+        if hasattr(socket, opt):  # Linux has all three; others keep their defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
     sock.setblocking(False)
 
 

@@ -34,6 +34,8 @@ def _master_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=d.port, help="master gRPC port")
     p.add_argument("--redis-url", default=d.redis_url,
                    help="redis URL; with a password, prefer --redis-url-file (argv is public)")
+    p.add_argument("--redis-url-file", default=d.redis_url_file,
+                   help="file holding the redis URL with its password (wins over --redis-url)")
     p.add_argument("--namespace", default=d.namespace)
     p.add_argument("--replica-num", type=int, default=d.replica_num)
     p.add_argument("--high-watermark", type=float, default=d.high_watermark)
@@ -73,6 +75,7 @@ def _master_cfg(args):
     from pdserve.services.kvstore.config import MasterConfig
 
     return MasterConfig(host=args.host, port=args.port, redis_url=args.redis_url,
+                        redis_url_file=args.redis_url_file,
                         namespace=args.namespace, replica_num=args.replica_num,
                         high_watermark=args.high_watermark, low_watermark=args.low_watermark,
                         node_timeout_s=args.node_timeout, put_timeout_s=args.put_timeout,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
 GiB = 1 << 30
 
@@ -12,7 +13,8 @@ GiB = 1 << 30
 class MasterConfig:
     host: str = "127.0.0.1"
     port: int = 50090
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", repr=False)
+    redis_url_file: str = ""  # a file holding the URL (with its password): wins over redis_url
     namespace: str = "pdserve:kv"  # redis key prefix: several stores can share one redis
     replica_num: int = 1  # default copies per object
     high_watermark: float = 0.95  # a node fuller than this evicts ...
@@ -49,6 +51,27 @@ class MasterConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.node_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("node_timeout_s must exceed heartbeat_interval_s")
+
+
+    def resolved_redis_url(self) -> str:
+        """The URL to connect with: redis_url_file's content when set, else redis_url."""
+        if not self.redis_url_file:
+            return self.redis_url
+        with open(self.redis_url_file, encoding="utf-8") as f:
+            url = f.read(4096).strip()
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"{self.redis_url_file} does not hold a redis:// URL")
+        return url
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password (for logs): redis://user:***@host:port/db."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,10 @@ from pdserve.connector.kvstore.records import (NodeInfo, NodeUsage, ObjectMeta, 
                                                StoreStats)
 
 log = logging.getLogger(__name__)
+
+
+class NodeConflict(RuntimeError):
+    """A registration for a live node's id from another address."""
 _EVICTION_SAMPLE = 16  # approximate LRU: the oldest of a random sample, as Redis does
 
 
@@ -257,12 +261,18 @@ class MasterCore:
             if old is not None and old == node:
                 self._last_beat[node.node_id] = self._clock()
                 return  # a repeated registration of the same incarnation
+            if old is not None and old.address != node.address and self._alive(node.node_id):
+                # a live node's id claimed from elsewhere: refuse, keep the node and its objects
+                raise NodeConflict(f"node {node.node_id} is live at {old.address}")
             if old is not None:  # a restarted node: its segment, and so its replicas, are new
                 await self._drop_node(node.node_id)
             self._add_node(node, self._clock())
             await self._meta.save_node(node)
             log.info("node %s registered at %s (%d bytes)", node.node_id, node.address,
                      node.capacity)
+
+    def _alive(self, node_id: str) -> bool:
+        return self._clock() - self._last_beat[node_id] <= self._cfg.node_timeout_s
 
     def heartbeat(self, node_id: str, incarnation: str) -> bool:
         node = self._nodes.get(node_id)

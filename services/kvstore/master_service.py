@@ -23,8 +23,8 @@ from pdserve.connector.kvstore import convert
 from pdserve.connector.kvstore.auth import (AuthError, StoreKeys, check_token,
                                            load_store_keys, register_body, remove_body)
 from pdserve.services.kvstore import limits
-from pdserve.services.kvstore.config import MasterConfig
-from pdserve.services.kvstore.master import MasterCore
+from pdserve.services.kvstore.config import MasterConfig, redact_url
+from pdserve.services.kvstore.master import MasterCore, NodeConflict
 from pdserve.services.kvstore.metadata import RedisMetaStore
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,10 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
         node = convert.node_from_pb(request)
         await self._authorize(context, _REGISTER, b"register", register_body(node),
                               request.auth)
-        await self._core.register_node(node)
+        try:
+            await self._core.register_node(node)
+        except NodeConflict as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         return pb.RegisterNodeResponse(heartbeat_interval_s=self._cfg.heartbeat_interval_s)
 
     @_checked
@@ -164,7 +167,7 @@ async def _sweep_forever(core: MasterCore, interval_s: float) -> None:
 
 async def start_master(cfg: MasterConfig) -> RunningMaster:
     keys = load_store_keys(cfg.store_secret_file)
-    redis = aioredis.Redis.from_url(cfg.redis_url)
+    redis = aioredis.Redis.from_url(cfg.resolved_redis_url())
     core = MasterCore(cfg, RedisMetaStore(redis, cfg.namespace), keys=keys)
     await core.start()
     server = grpc.aio.server(maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
@@ -175,5 +178,6 @@ async def start_master(cfg: MasterConfig) -> RunningMaster:
         raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
     await server.start()
     sweeper = asyncio.get_running_loop().create_task(_sweep_forever(core, cfg.sweep_interval_s))
-    log.info("kvstore master on %s:%d (redis %s)", cfg.host, port, cfg.redis_url)
+    log.info("kvstore master on %s:%d (redis %s)", cfg.host, port,
+             redact_url(cfg.resolved_redis_url()))
     return RunningMaster(server, core, port, redis, sweeper)

@@ -183,3 +183,22 @@ def test_store_keys_are_unpredictable_without_the_block_secret(cluster):
             assert await attacker.get(b"H" * 32) == b"forged" * 100
             assert await attacker.prefix_lookup([engine_keys.object_key(b"H" * 32)]) == 1
     _run(main())
+
+
+def test_a_live_node_id_cannot_be_taken_over_even_with_the_secret(cluster):
+    """Re-registering a live node's id from another address is refused: the node keeps its
+    address and objects (a restart at the same address is a new incarnation, as before)."""
+    from pdserve.connector.kvstore import convert
+    from pdserve.connector.kvstore.auth import register_body, sign_token
+    from pdserve.connector.kvstore.records import NodeInfo
+
+    maddr, secret, _ = cluster
+    keys = StoreKeys.from_secret(read_secret(str(secret)))
+    node = NodeInfo("n0", "10.9.9.9:1", 1 << 20, "evil")
+    req = convert.node_to_pb(node)
+    req.auth = sign_token(keys.register, b"register", register_body(node), time.time())
+    with pytest.raises(grpc.RpcError) as err:
+        _stub(maddr).RegisterNode(req, timeout=5)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert node_addresses(maddr)["n0"] != "10.9.9.9:1"
+    test_honest_put_and_get_with_capabilities(cluster)

@@ -147,3 +147,19 @@ def test_remote_error_keeps_the_connection():
         finally:
             await lst.close()
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_tcp_connections_use_keepalive():
+    async def main():
+        t = make_transport("tcp")
+        lst = await t.listen("127.0.0.1", 0, FunctionHandler(_echo))
+        try:
+            conn = await t.connect(lst.address)
+            s = conn._sock
+            assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            if hasattr(socket, "TCP_KEEPIDLE"):
+                assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 10
+            await conn.close()
+        finally:
+            await lst.close()
+    asyncio.run(asyncio.wait_for(main(), 30))
