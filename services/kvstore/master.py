@@ -54,6 +54,7 @@ class MasterCore:
         self._node_keys: dict[str, set[bytes]] = {}
         self._last_beat: dict[str, float] = {}
         self._evictions = 0
+        self._renewed: set[bytes] = set()  # keys whose read-renewed lease Redis lacks yet
         self._rng = random.Random(0)
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -212,7 +213,7 @@ class MasterCore:
 
     async def get_replicas_many(self, keys: list[bytes]) -> list[ReplicaList | None]:
         """`get_replicas` for each key (None for a miss or an object still being written);
-        the renewed leases go to the metadata store in one write."""
+        the renewed leases go to the metadata store with the next flush_renewals."""
         async with self._lock:
             now = self._clock()
             found: list[ReplicaList | None] = []
@@ -229,9 +230,22 @@ class MasterCore:
                 renewed.append(meta)
                 found.append(ReplicaList(meta.size, self._granted(
                     meta.replicas, READ, meta.size, now + self._cfg.read_lease_s)))
-            if renewed:
-                await self._meta.save_objects(renewed)
+            # Renewals stay in memory until the next sweep writes them: a read needs no Redis
+            # round trip, and works while Redis is down (they are written once it is back).
+            self._renewed.update(m.key for m in renewed)
             return found
+
+    async def flush_renewals(self) -> None:
+        """Write the leases renewed by reads since the last flush; on a Redis error they stay
+        pending (and the error propagates) for the next try."""
+        async with self._lock:
+            keys, self._renewed = self._renewed, set()
+            metas = [self._objects[k] for k in keys if k in self._objects]
+            try:
+                await self._meta.save_objects(metas)
+            except BaseException:
+                self._renewed |= keys
+                raise
 
     def _complete(self, key: bytes) -> bool:
         meta = self._objects.get(key)

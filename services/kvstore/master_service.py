@@ -160,9 +160,10 @@ async def _sweep_forever(core: MasterCore, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         try:
+            await core.flush_renewals()
             await core.sweep()
-        except Exception:  # a Redis hiccup must not end the sweeps for good
-            log.exception("kvstore sweep failed")
+        except Exception as exc:  # a Redis hiccup must not end the sweeps for good
+            log.warning("kvstore sweep failed (%s: %s); retrying", type(exc).__name__, exc)
 
 
 async def start_master(cfg: MasterConfig) -> RunningMaster:
