@@ -5,6 +5,13 @@ and sinks payloads into a preallocated buffer; the client sends `size` payloads,
 by a tiny ack (the put direction). The raw socket baseline is blocking `sendall`/`recv_into`
 over loopback with the same framing. Figures are medians over repetitions; the last line of
 output is one JSON object (see `_summary`).
+
+Two contenders are the storage node's real path with the store's security on. `tcp+cap`: the
+server is a SegmentHandler that checks an HMAC capability on every request before landing the
+payload; the client signs a capability per request (as the master does per replica).
+`tcp+cap+mac` also computes each block's HMAC-SHA256 MAC, as the producer does per block: in
+a worker thread (hashlib drops the GIL), the next block's MAC while this one is sent, which is
+how the connector pipelines it (a MAC must precede its block's transfer: it is in the header).
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ import numpy as np
 
 MiB = 1 << 20
 _LEN = struct.Struct("!Q")
-CONTENDERS = ("socket", "tcp", "ucx")
+CONTENDERS = ("socket", "tcp", "tcp+cap", "tcp+cap+mac", "ucx")
+_GRANT_KEY = b"bench-grant-key-0123456789abcdef"
+_MAC_KEY = b"bench-block-mac-0123456789abcdef"
 
 
 def add_transport_subcommand(sub) -> None:
@@ -95,7 +104,12 @@ def _server_main(kind: str, max_size: int, progress_mode: str, conn) -> None:
 
 
 async def _async_server(kind, max_size, progress_mode, conn) -> None:
-    listener = await _transport(kind, progress_mode).listen("127.0.0.1", 0, _Sink(max_size))
+    handler = _Sink(max_size)
+    if kind.startswith("tcp+cap"):
+        from pdserve.services.kvstore.segment import GrantCheck, Segment, SegmentHandler
+
+        handler = SegmentHandler(Segment(max_size), GrantCheck(_GRANT_KEY, "bench"))
+    listener = await _transport(kind, progress_mode).listen("127.0.0.1", 0, handler)
     conn.send(listener.port)
     await asyncio.Event().wait()  # until the parent terminates us
 
@@ -157,11 +171,38 @@ async def _transport_client(kind: str, port: int, args, sizes) -> dict:
     async def send(payload: memoryview) -> None:
         await conn.request(b"put", payload)
 
+    if kind.startswith("tcp+cap"):
+        send = _secured_send(conn, kind.endswith("+mac"))
     try:
         return await _measure(send, sizes, args.bytes_per_rep_mib * MiB, args.reps,
                               args.rtt_iters)
     finally:
         await conn.close()
+
+
+def _secured_send(conn, with_mac: bool):
+    import hashlib
+    import hmac
+
+    from pdserve.connector.kvstore.auth import sign_capability
+    from pdserve.connector.kvstore.node_protocol import WRITE, NodeOp
+
+    loop = asyncio.get_running_loop()
+    pending = []  # the MAC of the block to send next, computed while this one is sent
+
+    def mac(payload):
+        return hmac.new(_MAC_KEY, payload, hashlib.sha256).digest()
+
+    async def send(payload: memoryview) -> None:
+        if with_mac:
+            if pending:
+                await pending.pop()
+            else:
+                mac(payload)
+            pending.append(loop.run_in_executor(None, mac, payload))
+        cap = sign_capability(_GRANT_KEY, WRITE, "bench", 0, len(payload), time.time() + 60)
+        await conn.request(NodeOp(WRITE, 0, len(payload), cap).encode(), payload)
+    return send
 
 
 def _run_one(kind: str, args, sizes) -> dict:
@@ -194,12 +235,24 @@ def _summary(results: dict, sizes) -> dict:
     big = [r for per in ratios.values() for s, r in per.items() if s >= 1]
     return {
         "bench": "transport",
+        "cpu": _cpu(),
         "gbps": {k: {s // MiB: round(v["gbps"][s], 3) for s in sizes} for k, v in results.items()},
         "rtt_us": {k: round(v["rtt_us"], 1) for k, v in results.items()},
         "ratio_vs_socket": {k: {s: round(r, 3) for s, r in v.items()} for k, v in ratios.items()},
         "min_ratio_by_transport": {k: round(min(v.values()), 3) for k, v in ratios.items()},
         "min_ratio_vs_socket": round(min(big), 3) if big else None,
     }
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} x{mp.cpu_count()}"
+    except OSError:
+        pass
+    return f"unknown x{mp.cpu_count()}"
 
 
 def _print_table(summary: dict, sizes) -> None:
@@ -213,6 +266,7 @@ def _print_table(summary: dict, sizes) -> None:
         row += "".join(f" {v[mib]:>12.2f}" for v in summary["ratio_vs_socket"].values())
         print(row)
     print(f"{'rtt (us)':>10} " + " ".join(f"{summary['rtt_us'][k]:>11.1f}" for k in kinds))
+    print(f"cpu: {summary['cpu']}")
 
 
 def main(argv=None) -> int:

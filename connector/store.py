@@ -1,6 +1,6 @@
 """What the connector needs from a KV store, and an in-process store for tests.
 
-The real implementation is the Mooncake-style store's client (services/kvstore/client.py,
+The real implementation is the Mooncake-style store's client (connector/kvstore/client.py,
 injected by the services, so connector/ never imports services/). Its contract: a miss is a
 return value (None / 0); an unreachable store raises.
 """

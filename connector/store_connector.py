@@ -12,7 +12,10 @@ headers and puts the objects while the engine computes on. The request's blocks 
 recomputation.
 
 Consumer (decode): `get_num_new_matched_tokens` asks the store how many of the request's next
-blocks exist (a prefix lookup; a caller's hint in request.kv_transfer.block_keys saves it);
+blocks exist (a prefix lookup; a caller's hint in request.kv_transfer.block_keys saves it).
+The lookup runs on the I/O thread: the first call starts it and answers None ("ask again next
+step"), so a slow or blackholed master never stalls the engine thread; the store client's
+lookup deadline ends it, and a failed lookup answers 0 (recompute).
 `update_state_after_alloc` starts fetching them into the allocated blocks. Each fetched block is
 validated by the codec before it is written to the cache; the load stops at the first missing,
 unreadable, corrupted or late block, and reports the blocks before it as loaded, so the engine
@@ -26,6 +29,7 @@ content-addressed and shareable).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -40,6 +44,7 @@ from pdserve.connector.io_thread import IOThread
 from pdserve.connector.store import BlockStore, put_stored
 
 log = logging.getLogger(__name__)
+_MAX_LOOKUPS = 1024  # lookups in flight or answered but not yet taken
 Role = Literal["producer", "consumer", "both"]
 
 
@@ -48,14 +53,13 @@ class ConnectorConfig:
     role: Role = "both"
     lease_s: float = 30.0  # stored blocks are not evicted for this long
     load_timeout_s: float = 10.0  # a load taking longer fails (and is recomputed)
-    lookup_timeout_s: float = 2.0
     max_inflight: int = 8  # parallel block transfers
 
     def __post_init__(self):
         if self.role not in ("producer", "consumer", "both"):
             raise ValueError(f"role must be producer, consumer or both, got {self.role!r}")
-        for name in ("lease_s", "load_timeout_s", "lookup_timeout_s"):
-            if getattr(self, name) <= 0:
+        for name in ("lease_s", "load_timeout_s"):
+            if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
@@ -90,6 +94,8 @@ class StoreKVConnector(KVConnector):
         self._started: set[str] = set()  # producer: requests whose first chunk ran
         self._step: Optional[tuple[list, torch.Tensor, torch.Tensor, bytearray]] = None
         self._sem: Optional[asyncio.Semaphore] = None
+        # request id -> (num_computed_tokens it was asked for, the lookup's future)
+        self._lookups: dict[str, tuple[int, concurrent.futures.Future]] = {}
 
     @property
     def produces(self) -> bool:
@@ -100,7 +106,8 @@ class StoreKVConnector(KVConnector):
         return self.config.role in ("consumer", "both")
 
     # -- scheduler side --------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Optional[int]:
+        """Tokens loadable past num_computed_tokens; None while the store lookup runs."""
         if not self.consumes:
             return 0
         bs = self.codec.block_size
@@ -114,13 +121,28 @@ class StoreKVConnector(KVConnector):
             while start + n < len(hint) and n < len(keys) and hint[start + n] == keys[n]:
                 n += 1
             return n * bs
+        return self._lookup(request.request_id, num_computed_tokens, keys)
+
+    def _lookup(self, rid: str, num_computed_tokens: int, keys) -> Optional[int]:
+        pending = self._lookups.get(rid)
+        if pending is None or pending[0] != num_computed_tokens:
+            if pending is not None:
+                pending[1].cancel()
+            elif len(self._lookups) >= _MAX_LOOKUPS:  # drop answers nobody came back for
+                self._lookups = {r: p for r, p in self._lookups.items() if not p[1].done()}
+            self._lookups[rid] = (num_computed_tokens,
+                                  self.io.submit(self.store.prefix_lookup(list(keys))))
+            return None
+        if not pending[1].done():
+            return None
+        del self._lookups[rid]
         try:
-            n = self.io.run(self.store.prefix_lookup(list(keys)), self.config.lookup_timeout_s)
-        except Exception as exc:  # store unreachable: recompute
+            n = pending[1].result()
+        except BaseException as exc:  # store unreachable or too slow: recompute
             self.stats.lookup_failures += 1
             self._note_failure(type(exc).__name__)
             return 0
-        return n * bs
+        return min(max(int(n), 0), len(keys)) * self.codec.block_size
 
     def update_state_after_alloc(self, request, block_ids, num_computed_tokens,
                                  num_external_tokens) -> None:
@@ -131,6 +153,9 @@ class StoreKVConnector(KVConnector):
 
     def request_finished(self, request, block_ids) -> bool:
         self._started.discard(request.request_id)
+        pending = self._lookups.pop(request.request_id, None)
+        if pending is not None:
+            pending[1].cancel()
         with self._lock:
             return self._saving.get(request.request_id, 0) > 0
 

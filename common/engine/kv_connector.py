@@ -5,7 +5,9 @@ Two halves, as in vLLM's KV connector:
 
 Scheduler side (called by the Scheduler, single-threaded, between steps)
 - `get_num_new_matched_tokens(request, num_computed_tokens)`: how many tokens past
-  num_computed_tokens can be loaded from outside (whole blocks only). No side effects.
+  num_computed_tokens can be loaded from outside (whole blocks only), or None while the answer
+  is still being looked up (the scheduler asks again next step; the engine thread never waits
+  on the store). No side effects beyond starting that lookup.
 - `update_state_after_alloc(request, block_ids, num_computed_tokens, num_external_tokens)`: the
   scheduler allocated blocks for those tokens; the connector starts loading them. The request
   waits in WAITING_FOR_KV until the load is reported finished or failed.
@@ -35,7 +37,8 @@ if TYPE_CHECKING:
 class KVConnector(abc.ABC):
     # -- scheduler side --------------------------------------------------------------------
     @abc.abstractmethod
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> "int | None":
         ...
 
     @abc.abstractmethod

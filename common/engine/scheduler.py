@@ -47,6 +47,7 @@ class Scheduler:
         self.connector = connector
         self.check_stop = check_stop
         self.kv_waiting: dict[str, Request] = {}  # WAITING_FOR_KV
+        self.lookup_pending = False  # the waiting head's store lookup runs (connector I/O)
         self.held: dict[str, Request] = {}  # ended, blocks still in the connector's hands
         # finished, final output withheld until the connector saved its KV (a producer)
         self.awaiting_save: dict[str, Request] = {}
@@ -73,6 +74,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide the next step. Every call must be followed by `update_from_output` with its
         output (after the forward, or with sampled=None when it scheduled nothing)."""
+        self.lookup_pending = False
         self._poll_connector()
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
@@ -172,6 +174,9 @@ class Scheduler:
             else:
                 hits, n_cached = self.kv.get_computed_blocks(req)
                 ext = self._external_tokens(req, n_cached)
+                if ext is None:  # the connector's store lookup is still running
+                    self.lookup_pending = True
+                    return
                 if ext:
                     if not self._start_load(req, hits, n_cached, ext):
                         return
@@ -197,13 +202,16 @@ class Scheduler:
             self.kv.record_prefix_lookup(req.num_tokens, n_cached)
         req.num_computed_tokens = n_cached
 
-    def _external_tokens(self, req: Request, n_cached: int) -> int:
+    def _external_tokens(self, req: Request, n_cached: int) -> Optional[int]:
         if self.connector is None:
             return 0
         bs = self.kv.block_size
         self.kv.update_block_hashes(req)  # also without prefix caching: the keys name the blocks
         limit = (req.num_tokens - 1) // bs * bs - n_cached  # leave a token to compute
-        ext = min(self.connector.get_num_new_matched_tokens(req, n_cached), limit)
+        matched = self.connector.get_num_new_matched_tokens(req, n_cached)
+        if matched is None:
+            return None
+        ext = min(matched, limit)
         return max(ext, 0) // bs * bs
 
     def _start_load(self, req: Request, hits, n_cached: int, ext: int) -> bool:

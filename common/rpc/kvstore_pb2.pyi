@@ -21,14 +21,16 @@ PUT_START_NO_SPACE: PutStartStatus
 PUT_START_NOT_ENOUGH_NODES: PutStartStatus
 
 class Replica(_message.Message):
-    __slots__ = ("node_id", "address", "offset")
+    __slots__ = ("node_id", "address", "offset", "capability")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     offset: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    capability: bytes
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., offset: _Optional[int] = ..., capability: _Optional[bytes] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
     __slots__ = ("key", "size", "lease_s", "replica_num")
@@ -127,12 +129,14 @@ class PrefixLookupResponse(_message.Message):
     def __init__(self, count: _Optional[int] = ...) -> None: ...
 
 class RemoveRequest(_message.Message):
-    __slots__ = ("keys", "force")
+    __slots__ = ("keys", "force", "auth")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     force: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., force: _Optional[bool] = ...) -> None: ...
+    auth: bytes
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., force: _Optional[bool] = ..., auth: _Optional[bytes] = ...) -> None: ...
 
 class RemoveResponse(_message.Message):
     __slots__ = ("removed",)
@@ -141,16 +145,18 @@ class RemoveResponse(_message.Message):
     def __init__(self, removed: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("node_id", "address", "capacity", "incarnation")
+    __slots__ = ("node_id", "address", "capacity", "incarnation", "auth")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     capacity: int
     incarnation: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    auth: bytes
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity: _Optional[int] = ..., incarnation: _Optional[str] = ..., auth: _Optional[bytes] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s",)

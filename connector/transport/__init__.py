@@ -13,15 +13,15 @@ from __future__ import annotations
 import logging
 import os
 
-from pdserve.connector.transport.base import (Connection, FunctionHandler, Listener, Message,
-                                              RemoteError, RequestHandler, Transport,
-                                              TransportError)
+from pdserve.connector.transport.base import (Connection, FrameRejected, FunctionHandler,
+                                              Listener, Message, RemoteError, RequestHandler,
+                                              Transport, TransportError)
 
 TRANSPORT_KINDS = ("auto", "ucx", "tcp")
 log = logging.getLogger(__name__)
 
-__all__ = ["Connection", "FunctionHandler", "Listener", "Message", "RemoteError",
-           "RequestHandler", "Transport", "TransportError", "TRANSPORT_KINDS",
+__all__ = ["Connection", "FrameRejected", "FunctionHandler", "Listener", "Message",
+           "RemoteError", "RequestHandler", "Transport", "TransportError", "TRANSPORT_KINDS",
            "UcxUnavailable", "make_transport", "ucx_available"]
 
 

@@ -28,6 +28,12 @@ class RemoteError(RuntimeError):
     """The peer's handler raised; the message is the peer's description of it."""
 
 
+class FrameRejected(ValueError):
+    """A handler refuses a request's payload before it is received (too large, not allowed).
+    The server answers with an error and, when a payload was announced, closes the connection
+    (the unread payload would leave the stream mid-frame)."""
+
+
 @dataclass(frozen=True)
 class Message:
     header: bytes
@@ -36,19 +42,26 @@ class Message:
 
 class RequestHandler(Protocol):
     def payload_buffer(self, header: bytes, nbytes: int) -> memoryview | None:
-        """Where an incoming payload of `nbytes` should land; None -> a fresh buffer."""
+        """Where an incoming payload of `nbytes` should land (at least `nbytes` long); None ->
+        a fresh buffer (at most framing.MAX_FRESH_PAYLOAD). Raises FrameRejected to refuse
+        the payload; nothing has been received or allocated for it then."""
 
     async def handle(self, header: bytes, payload: memoryview) -> tuple[bytes, Buffer]:
         """Serve one request; returns the response (header, payload)."""
 
 
 class FunctionHandler:
-    """A `RequestHandler` from a coroutine function; payloads land in fresh buffers."""
+    """A `RequestHandler` from a coroutine function; payloads land in fresh buffers of at
+    most `max_payload` bytes (and never more than framing.MAX_FRESH_PAYLOAD)."""
 
-    def __init__(self, fn: Callable[[bytes, memoryview], Awaitable[tuple[bytes, Buffer]]]):
+    def __init__(self, fn: Callable[[bytes, memoryview], Awaitable[tuple[bytes, Buffer]]],
+                 max_payload: int | None = None):
         self._fn = fn
+        self._max = max_payload
 
     def payload_buffer(self, header: bytes, nbytes: int) -> memoryview | None:
+        if self._max is not None and nbytes > self._max:
+            raise FrameRejected(f"payload of {nbytes} bytes exceeds {self._max}")
         return None
 
     async def handle(self, header: bytes, payload: memoryview) -> tuple[bytes, Buffer]:
@@ -61,9 +74,11 @@ class Connection(abc.ABC):
                       out: memoryview | None = None) -> Message:
         """Send one request and wait for its response.
 
-        `out`, when given and large enough, receives the response payload (the returned
-        `Message.payload` is then a view of it). Raises TransportError when the connection
-        fails and RemoteError when the peer's handler raised.
+        `out`, when given, receives the response payload (the returned `Message.payload` is
+        then a view of it); a peer that sends more than `out` holds (or, without `out`, more
+        than framing.MAX_FRESH_PAYLOAD) breaks the connection before anything is allocated.
+        Raises TransportError when the connection fails or the peer's frame is refused, and
+        RemoteError when the peer's handler raised.
         """
 
     @abc.abstractmethod

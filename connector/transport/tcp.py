@@ -17,13 +17,29 @@ import asyncio
 import socket
 
 from pdserve.connector.transport import framing
-from pdserve.connector.transport.base import (Buffer, Connection, Listener, Message,
-                                              RequestHandler, Transport, TransportError,
-                                              as_bytes_view, split_addr)
+from pdserve.connector.transport.base import (Buffer, Connection, FrameRejected, Listener,
+                                              Message, RequestHandler, Transport,
+                                              TransportError, as_bytes_view, split_addr)
+
+_REQUESTS = (framing.KIND_REQUEST,)
+_RESPONSES = (framing.KIND_OK, framing.KIND_ERROR)
+MAX_CONNECTIONS = 1024  # per listener; more are closed on accept (each holds a task)
+
+
+# TCP keepalive: a peer that vanished (power loss, partition) is found within about
+# IDLE + INTERVAL * COUNT seconds on an idle connection, instead of never.
+KEEPALIVE_IDLE_S = 10
+KEEPALIVE_INTERVAL_S = 5
+KEEPALIVE_COUNT = 3
 
 
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # headers are tiny
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                       ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+        if hasattr(socket, opt):  # Linux has all three; others keep their defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
     sock.setblocking(False)
 
 
@@ -42,10 +58,10 @@ async def _send_frame(loop, sock, kind: int, header: bytes, payload: memoryview)
         await loop.sock_sendall(sock, payload)
 
 
-async def _recv_head(loop, sock) -> tuple[int, bytes, int]:
+async def _recv_head(loop, sock, kinds: tuple[int, ...]) -> tuple[int, bytes, int]:
     prefix = bytearray(framing.PREFIX.size)
     await _recv_exact(loop, sock, memoryview(prefix))
-    kind, header_len, payload_len = framing.unpack(prefix)
+    kind, header_len, payload_len = framing.unpack(prefix, kinds)
     header = bytearray(header_len)
     await _recv_exact(loop, sock, memoryview(header))
     return kind, bytes(header), payload_len
@@ -66,8 +82,8 @@ class TcpConnection(Connection):
             try:
                 await _send_frame(loop, self._sock, framing.KIND_REQUEST, header,
                                   as_bytes_view(payload))
-                kind, rheader, payload_len = await _recv_head(loop, self._sock)
-                rpayload = framing.landing_buffer(out, payload_len)
+                kind, rheader, payload_len = await _recv_head(loop, self._sock, _RESPONSES)
+                rpayload = framing.response_landing(out, payload_len)
                 await _recv_exact(loop, self._sock, rpayload)
             except (OSError, ValueError, asyncio.CancelledError) as exc:
                 # A half-done exchange leaves the stream mid-frame: the connection is unusable.
@@ -96,6 +112,9 @@ class TcpListener(Listener):
         loop = asyncio.get_running_loop()
         while True:
             conn, _ = await loop.sock_accept(self._sock)
+            if len(self._tasks) >= MAX_CONNECTIONS:
+                conn.close()
+                continue
             _tune(conn)
             task = loop.create_task(self._serve(conn))
             self._tasks.add(task)
@@ -105,9 +124,15 @@ class TcpListener(Listener):
         loop = asyncio.get_running_loop()
         try:
             while True:
-                kind, header, payload_len = await _recv_head(loop, conn)
-                payload = framing.landing_buffer(
-                    self._handler.payload_buffer(header, payload_len), payload_len)
+                _, header, payload_len = await _recv_head(loop, conn, _REQUESTS)
+                try:
+                    payload = framing.request_landing(self._handler, header, payload_len)
+                except FrameRejected as exc:
+                    await _send_frame(loop, conn, framing.KIND_ERROR, framing.error_header(exc),
+                                      memoryview(b""))
+                    if payload_len:
+                        return  # its payload is still on the wire: the stream is unusable
+                    continue
                 await _recv_exact(loop, conn, payload)
                 try:
                     rheader, rpayload = await self._handler.handle(header, payload)
@@ -115,7 +140,7 @@ class TcpListener(Listener):
                 except Exception as exc:  # the client gets it as a RemoteError
                     rheader, rpayload, rkind = framing.error_header(exc), b"", framing.KIND_ERROR
                 await _send_frame(loop, conn, rkind, rheader, as_bytes_view(rpayload))
-        except (TransportError, ConnectionError, ValueError):
+        except (TransportError, OSError, ValueError):
             pass  # the client went away (or sent garbage): drop this connection only
         finally:
             conn.close()

@@ -18,11 +18,13 @@ import asyncio
 from dataclasses import dataclass, field
 
 from pdserve.connector.transport import framing
-from pdserve.connector.transport.base import (Buffer, Connection, Listener, Message,
-                                              RequestHandler, Transport, TransportError,
-                                              as_bytes_view, split_addr)
+from pdserve.connector.transport.base import (Buffer, Connection, FrameRejected, Listener,
+                                              Message, RequestHandler, Transport,
+                                              TransportError, as_bytes_view, split_addr)
 
 _FRAME_MAX = framing.PREFIX.size + framing.MAX_HEADER
+_REQUESTS = (framing.KIND_REQUEST,)
+_RESPONSES = (framing.KIND_OK, framing.KIND_ERROR)
 _PROGRESS_MODES = ("blocking", "polling", "thread", "thread-polling")
 
 # Measured on loopback (UCX_NOTES.md): TCP only (the store is multi-host; shared memory
@@ -75,9 +77,10 @@ async def _send_frame(ep, kind: int, header: bytes, payload: memoryview) -> None
         await ep.send(payload)
 
 
-async def _recv_frame_head(ep, frame: bytearray) -> tuple[int, bytes, int]:
+async def _recv_frame_head(ep, frame: bytearray, kinds: tuple[int, ...]
+                           ) -> tuple[int, bytes, int]:
     await ep.recv(frame)  # a shorter message lands in the front of the buffer
-    kind, header_len, payload_len = framing.unpack(frame)
+    kind, header_len, payload_len = framing.unpack(frame, kinds)
     start = framing.PREFIX.size
     return kind, bytes(frame[start:start + header_len]), payload_len
 
@@ -96,8 +99,9 @@ class UcxConnection(Connection):
                 raise TransportError("connection is closed")
             try:
                 await _send_frame(self._ep, framing.KIND_REQUEST, header, as_bytes_view(payload))
-                kind, rheader, payload_len = await _recv_frame_head(self._ep, self._frame)
-                rpayload = framing.landing_buffer(out, payload_len)
+                kind, rheader, payload_len = await _recv_frame_head(self._ep, self._frame,
+                                                                    _RESPONSES)
+                rpayload = framing.response_landing(out, payload_len)
                 if payload_len:
                     await self._ep.recv(rpayload)
             except (*_ucx_errors(), ValueError) as exc:
@@ -136,9 +140,15 @@ class UcxListener(Listener):
         frame = bytearray(_FRAME_MAX)
         try:
             while True:
-                _, header, payload_len = await _recv_frame_head(ep, frame)
-                payload = framing.landing_buffer(
-                    self._handler.payload_buffer(header, payload_len), payload_len)
+                _, header, payload_len = await _recv_frame_head(ep, frame, _REQUESTS)
+                try:
+                    payload = framing.request_landing(self._handler, header, payload_len)
+                except FrameRejected as exc:
+                    await _send_frame(ep, framing.KIND_ERROR, framing.error_header(exc),
+                                      memoryview(b""))
+                    if payload_len:
+                        return  # its payload message is still pending: drop the endpoint
+                    continue
                 if payload_len:
                     await ep.recv(payload)
                 try:

@@ -14,6 +14,7 @@ from typing import Callable
 
 from pdserve.connector.codec import BlockCodec
 from pdserve.connector.io_thread import IOThread
+from pdserve.connector.kvstore.client import KVStoreClient, StoreClientConfig
 from pdserve.connector.store_connector import ConnectorConfig, StoreKVConnector
 
 # The engine service's role -> what its connector does with the store.
@@ -37,12 +38,18 @@ class KVStoreSettings:
         if self.transport not in ("auto", "ucx", "tcp"):
             raise ValueError(f"kv_transport must be auto, ucx or tcp, got {self.transport!r}")
         self.connector_config()  # its own range checks, now
+        self.store_client_config()
 
     def connector_config(self) -> ConnectorConfig:
         return ConnectorConfig(role=self.role, lease_s=self.lease_s,
                                load_timeout_s=self.load_timeout_s,
-                               lookup_timeout_s=self.lookup_timeout_s,
                                max_inflight=self.max_inflight)
+
+    def store_client_config(self) -> StoreClientConfig:
+        """The store client's deadlines; its block secret comes from the environment
+        ($PDSERVE_KV_BLOCK_SECRET_FILE, see docs/kvstore-security.md)."""
+        return StoreClientConfig(transport=self.transport,
+                                 lookup_timeout_s=self.lookup_timeout_s)
 
 
 class ServiceKVConnector(StoreKVConnector):
@@ -58,21 +65,20 @@ class ServiceKVConnector(StoreKVConnector):
 
 def connector_factory(settings: KVStoreSettings) -> Callable:
     def build(engine) -> StoreKVConnector:
-        from pdserve.services.kvstore.client import KVStoreClient
-
         cfg = engine.model_config
-        codec = BlockCodec(engine.fingerprint, cfg.num_layers, engine.kv.block_size,
-                           cfg.num_kv_heads, cfg.head_dim)
         io = IOThread()
 
         async def make_client():
-            return KVStoreClient(settings.master_addr, settings.transport)
+            return KVStoreClient.for_engines(settings.master_addr,
+                                             settings.store_client_config())
 
         try:
             client = io.run(make_client(), 30.0)
         except BaseException:
             io.close()
             raise
+        codec = BlockCodec(engine.fingerprint, cfg.num_layers, engine.kv.block_size,
+                           cfg.num_kv_heads, cfg.head_dim, mac_key=client.mac_key)
         return ServiceKVConnector(client, codec, settings.connector_config(), io)
 
     return build

@@ -27,33 +27,61 @@ def add_kvstore_subcommands(subparsers) -> None:
 
 
 def _master_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50090, help="master gRPC port")
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    p.add_argument("--namespace", default="pdserve:kv")
-    p.add_argument("--replica-num", type=int, default=1)
-    p.add_argument("--high-watermark", type=float, default=0.95)
-    p.add_argument("--low-watermark", type=float, default=0.85)
-    p.add_argument("--node-timeout", type=float, default=5.0)
+    from pdserve.services.kvstore.config import MasterConfig
+
+    d = MasterConfig()  # the one source of every default
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port, help="master gRPC port")
+    p.add_argument("--redis-url", default=d.redis_url,
+                   help="redis URL; with a password, prefer --redis-url-file (argv is public)")
+    p.add_argument("--redis-url-file", default=d.redis_url_file,
+                   help="file holding the redis URL with its password (wins over --redis-url)")
+    p.add_argument("--namespace", default=d.namespace)
+    p.add_argument("--replica-num", type=int, default=d.replica_num)
+    p.add_argument("--high-watermark", type=float, default=d.high_watermark)
+    p.add_argument("--low-watermark", type=float, default=d.low_watermark)
+    p.add_argument("--node-timeout", type=float, default=d.node_timeout_s)
+    p.add_argument("--put-timeout", type=float, default=d.put_timeout_s,
+                   help="seconds before an unfinished put is revoked")
+    p.add_argument("--read-lease", type=float, default=d.read_lease_s,
+                   help="seconds a lookup renews an object's lease (and its read grants last)")
+    p.add_argument("--max-lease", type=float, default=d.max_lease_s,
+                   help="longest lease a put may ask for, seconds")
+    p.add_argument("--max-node-capacity-gib", type=int, default=d.max_node_capacity >> 30,
+                   help="largest segment a node may register")
+    p.add_argument("--store-secret-file", default=d.store_secret_file,
+                   help="file with the secret shared by master and nodes "
+                        "(default: $PDSERVE_KV_STORE_SECRET_FILE; none: unauthenticated)")
 
 
 def _node_args(p: argparse.ArgumentParser, master_flag: bool) -> None:
+    from pdserve.services.kvstore.config import NodeConfig
+
+    d = NodeConfig()
     if master_flag:
-        p.add_argument("--master", default="127.0.0.1:50090", help="master host:port")
-        p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--node-port", type=int, default=0, help="transport port; 0 -> free")
-    p.add_argument("--capacity-mib", type=int, default=1024, help="segment size")
-    p.add_argument("--node-id", default="")
-    p.add_argument("--transport", choices=["auto", "ucx", "tcp"], default="auto")
+        p.add_argument("--master", default=d.master_addr, help="master host:port")
+        p.add_argument("--host", default=d.host)
+        p.add_argument("--store-secret-file", default=d.store_secret_file,
+                       help="file with the secret shared by master and nodes")
+    p.add_argument("--node-port", type=int, default=d.port, help="transport port; 0 -> free")
+    p.add_argument("--capacity-mib", type=int, default=d.capacity >> 20, help="segment size")
+    p.add_argument("--node-id", default=d.node_id)
+    p.add_argument("--transport", choices=["auto", "ucx", "tcp"], default=d.transport)
+    p.add_argument("--grant-skew", type=float, default=d.grant_skew_s,
+                   help="seconds of clock difference with the master a capability tolerates")
 
 
 def _master_cfg(args):
     from pdserve.services.kvstore.config import MasterConfig
 
     return MasterConfig(host=args.host, port=args.port, redis_url=args.redis_url,
+                        redis_url_file=args.redis_url_file,
                         namespace=args.namespace, replica_num=args.replica_num,
                         high_watermark=args.high_watermark, low_watermark=args.low_watermark,
-                        node_timeout_s=args.node_timeout)
+                        node_timeout_s=args.node_timeout, put_timeout_s=args.put_timeout,
+                        read_lease_s=args.read_lease, max_lease_s=args.max_lease,
+                        max_node_capacity=args.max_node_capacity_gib << 30,
+                        store_secret_file=args.store_secret_file)
 
 
 def _node_cfg(args, master_addr: str):
@@ -61,7 +89,8 @@ def _node_cfg(args, master_addr: str):
 
     return NodeConfig(master_addr=master_addr, host=args.host, port=args.node_port,
                       capacity=args.capacity_mib << 20, node_id=args.node_id,
-                      transport=args.transport)
+                      transport=args.transport, store_secret_file=args.store_secret_file,
+                      grant_skew_s=args.grant_skew)
 
 
 async def _until_signal() -> None:

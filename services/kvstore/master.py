@@ -6,6 +6,9 @@ gets a fresh heartbeat grace period. Each call then changes memory and writes Re
 answers. `sweep()`, run periodically by the service, drops nodes that stopped heartbeating
 (with their replicas) and revokes writes whose writer never ended them.
 
+With store keys, every replica handed out carries a capability the master signs: a write grant
+until the put's deadline with PutStart, a read grant for read_lease_s with each lookup.
+
 One lock serializes the calls: the master is a metadata service and its calls are short, so
 correctness beats parallelism here.
 """
@@ -17,23 +20,31 @@ import dataclasses
 import logging
 import random
 import time
-from typing import Callable
+from typing import Callable, Optional
 
+from pdserve.connector.kvstore.auth import StoreKeys, sign_capability
+from pdserve.connector.kvstore.node_protocol import READ, WRITE
 from pdserve.services.kvstore.allocator import OffsetAllocator
 from pdserve.services.kvstore.config import MasterConfig
+from pdserve.services.kvstore.limits import check_lease
 from pdserve.services.kvstore.metadata import RedisMetaStore
-from pdserve.services.kvstore.records import (NodeInfo, NodeUsage, ObjectMeta, ObjectState,
-                                              PutStart, PutStatus, Replica, ReplicaList,
-                                              StoreStats)
+from pdserve.connector.kvstore.records import (NodeInfo, NodeUsage, ObjectMeta, ObjectState,
+                                               PutStart, PutStatus, Replica, ReplicaList,
+                                               StoreStats)
 
 log = logging.getLogger(__name__)
+
+
+class NodeConflict(RuntimeError):
+    """A registration for a live node's id from another address."""
 _EVICTION_SAMPLE = 16  # approximate LRU: the oldest of a random sample, as Redis does
 
 
 class MasterCore:
     def __init__(self, cfg: MasterConfig, meta: RedisMetaStore,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, keys: Optional[StoreKeys] = None):
         self._cfg = cfg
+        self._keys = keys
         self._meta = meta
         self._clock = clock
         self._lock = asyncio.Lock()
@@ -43,6 +54,7 @@ class MasterCore:
         self._node_keys: dict[str, set[bytes]] = {}
         self._last_beat: dict[str, float] = {}
         self._evictions = 0
+        self._renewed: set[bytes] = set()  # keys whose read-renewed lease Redis lacks yet
         self._rng = random.Random(0)
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -89,6 +101,7 @@ class MasterCore:
                         replica_num: int = 0) -> PutStart:
         if size <= 0:
             raise ValueError("size must be positive")
+        check_lease(lease_s, self._cfg)  # the edge checked too; NaN would never expire
         async with self._lock:
             if key in self._objects:
                 return PutStart(PutStatus.EXISTS)
@@ -106,7 +119,15 @@ class MasterCore:
                               now + self._cfg.put_timeout_s)
             self._index(meta)
             await self._meta.save_objects([meta])
-            return PutStart(PutStatus.OK, replicas)
+            return PutStart(PutStatus.OK, self._granted(replicas, WRITE, size, meta.put_deadline))
+
+    def _granted(self, replicas: tuple[Replica, ...], op: bytes, size: int,
+                 until: float) -> tuple[Replica, ...]:
+        """The replicas, each with a capability for `op` on its range until `until`."""
+        if self._keys is None:
+            return replicas
+        return tuple(dataclasses.replace(r, capability=sign_capability(
+            self._keys.grant, op, r.node_id, r.offset, size, until)) for r in replicas)
 
     def _place(self, size, want, live, evicted) -> tuple[Replica, ...] | None:
         """`want` replicas on distinct nodes, emptiest first; None (nothing held) if no room."""
@@ -192,7 +213,7 @@ class MasterCore:
 
     async def get_replicas_many(self, keys: list[bytes]) -> list[ReplicaList | None]:
         """`get_replicas` for each key (None for a miss or an object still being written);
-        the renewed leases go to the metadata store in one write."""
+        the renewed leases go to the metadata store with the next flush_renewals."""
         async with self._lock:
             now = self._clock()
             found: list[ReplicaList | None] = []
@@ -207,10 +228,24 @@ class MasterCore:
                     lease_until=max(meta.lease_until, now + self._cfg.read_lease_s))
                 self._objects[key] = meta
                 renewed.append(meta)
-                found.append(ReplicaList(meta.size, meta.replicas))
-            if renewed:
-                await self._meta.save_objects(renewed)
+                found.append(ReplicaList(meta.size, self._granted(
+                    meta.replicas, READ, meta.size, now + self._cfg.read_lease_s)))
+            # Renewals stay in memory until the next sweep writes them: a read needs no Redis
+            # round trip, and works while Redis is down (they are written once it is back).
+            self._renewed.update(m.key for m in renewed)
             return found
+
+    async def flush_renewals(self) -> None:
+        """Write the leases renewed by reads since the last flush; on a Redis error they stay
+        pending (and the error propagates) for the next try."""
+        async with self._lock:
+            keys, self._renewed = self._renewed, set()
+            metas = [self._objects[k] for k in keys if k in self._objects]
+            try:
+                await self._meta.save_objects(metas)
+            except BaseException:
+                self._renewed |= keys
+                raise
 
     def _complete(self, key: bytes) -> bool:
         meta = self._objects.get(key)
@@ -240,12 +275,18 @@ class MasterCore:
             if old is not None and old == node:
                 self._last_beat[node.node_id] = self._clock()
                 return  # a repeated registration of the same incarnation
+            if old is not None and old.address != node.address and self._alive(node.node_id):
+                # a live node's id claimed from elsewhere: refuse, keep the node and its objects
+                raise NodeConflict(f"node {node.node_id} is live at {old.address}")
             if old is not None:  # a restarted node: its segment, and so its replicas, are new
                 await self._drop_node(node.node_id)
             self._add_node(node, self._clock())
             await self._meta.save_node(node)
             log.info("node %s registered at %s (%d bytes)", node.node_id, node.address,
                      node.capacity)
+
+    def _alive(self, node_id: str) -> bool:
+        return self._clock() - self._last_beat[node_id] <= self._cfg.node_timeout_s
 
     def heartbeat(self, node_id: str, incarnation: str) -> bool:
         node = self._nodes.get(node_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from pdserve.services.kvstore.records import NodeInfo, ObjectMeta, ObjectState, Replica
+from pdserve.connector.kvstore.records import NodeInfo, ObjectMeta, ObjectState, Replica
 
 
 def _encode(meta: ObjectMeta) -> dict[str, str]:

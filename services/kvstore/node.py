@@ -1,7 +1,9 @@
 """A KV store storage node: a memory segment served over the transport, known to the master.
 
 Lifecycle: `start_node` allocates the segment, listens on the transport, registers with the
-master (id, transport address, capacity, a fresh incarnation id) and starts heartbeating.
+master (id, transport address, capacity, a fresh incarnation id, and a token from the store
+secret when there is one) and starts heartbeating. With a store secret the node serves only
+requests whose capability the master signed for it (segment.py).
 A heartbeat the master does not recognise (it dropped us, or lost us) means: register again
 (the master then treats the segment as empty). `RunningNode.stop` stops the heartbeats and the
 listener. A node that cannot reach the master keeps serving and keeps retrying.
@@ -11,16 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass
+from typing import Optional
 
 import grpc
 
 from pdserve.common.rpc import kvstore_pb2 as pb
 from pdserve.common.rpc import kvstore_pb2_grpc as pb_grpc
+from pdserve.connector.kvstore import convert
+from pdserve.connector.kvstore.auth import (StoreKeys, load_store_keys, register_body,
+                                           sign_token)
+from pdserve.connector.kvstore.records import NodeInfo
 from pdserve.connector.transport import Listener, make_transport
 from pdserve.services.kvstore.config import NodeConfig
-from pdserve.services.kvstore.segment import Segment, SegmentHandler
+from pdserve.services.kvstore.segment import GrantCheck, Segment, SegmentHandler
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +49,17 @@ class RunningNode:
         await self.channel.close()
 
 
-async def _register(stub, req: pb.RegisterNodeRequest) -> float:
+async def _register(stub, node: NodeInfo, keys: Optional[StoreKeys]) -> float:
+    """Register (again); the token is signed afresh each time (tokens are short-lived)."""
+    req = convert.node_to_pb(node)
+    if keys is not None:
+        req.auth = sign_token(keys.register, b"register", register_body(node), time.time())
     resp = await stub.RegisterNode(req, timeout=5.0)
     return resp.heartbeat_interval_s or 1.0
 
 
-async def _heartbeat_forever(stub, reg: pb.RegisterNodeRequest, interval_s: float) -> None:
+async def _heartbeat_forever(stub, reg: NodeInfo, keys: Optional[StoreKeys],
+                             interval_s: float) -> None:
     beat = pb.HeartbeatRequest(node_id=reg.node_id, incarnation=reg.incarnation)
     while True:
         await asyncio.sleep(interval_s)
@@ -54,27 +67,29 @@ async def _heartbeat_forever(stub, reg: pb.RegisterNodeRequest, interval_s: floa
             resp = await stub.Heartbeat(beat, timeout=max(interval_s, 1.0))
             if not resp.known:
                 log.warning("master does not know node %s; registering again", reg.node_id)
-                interval_s = await _register(stub, reg)
+                interval_s = await _register(stub, reg, keys)
         except grpc.aio.AioRpcError as exc:
             log.warning("heartbeat to the master failed: %s", exc.code().name)
 
 
 async def start_node(cfg: NodeConfig) -> RunningNode:
+    keys = load_store_keys(cfg.store_secret_file)
     segment = Segment(cfg.capacity)
-    listener = await make_transport(cfg.transport).listen(cfg.host, cfg.port,
-                                                          SegmentHandler(segment))
+    handler = SegmentHandler(segment)
+    listener = await make_transport(cfg.transport).listen(cfg.host, cfg.port, handler)
     node_id = cfg.node_id or listener.address
+    if keys is not None:  # before registering: the master grants nothing on us before that
+        handler.grants = GrantCheck(keys.grant, node_id, cfg.grant_skew_s)
     channel = grpc.aio.insecure_channel(cfg.master_addr)
     stub = pb_grpc.KVStoreMasterStub(channel)
-    reg = pb.RegisterNodeRequest(node_id=node_id, address=listener.address,
-                                 capacity=cfg.capacity, incarnation=uuid.uuid4().hex)
+    reg = NodeInfo(node_id, listener.address, cfg.capacity, uuid.uuid4().hex)
     try:
-        interval_s = await _register(stub, reg)
+        interval_s = await _register(stub, reg, keys)
     except BaseException:
         await listener.close()
         await channel.close()
         raise
     heartbeats = asyncio.get_running_loop().create_task(
-        _heartbeat_forever(stub, reg, interval_s))
+        _heartbeat_forever(stub, reg, keys, interval_s))
     log.info("kvstore node %s serving %d bytes at %s", node_id, cfg.capacity, listener.address)
     return RunningNode(node_id, listener.address, listener, channel, heartbeats, segment)

@@ -137,7 +137,7 @@ def wait_for(check, timeout_s: float = 10.0, what: str = "condition"):
 
 def store_call(master_addr: str, coro_fn, transport: str = "tcp"):
     """Runs coro_fn(KVStoreClient) on a fresh loop (for injecting store damage)."""
-    from pdserve.services.kvstore.client import KVStoreClient
+    from pdserve.connector.kvstore.client import KVStoreClient
 
     async def main():
         async with KVStoreClient(master_addr, transport) as kv:

@@ -18,9 +18,9 @@ import pytest
 from pdserve.common.rpc import kvstore_pb2 as pb
 from pdserve.common.rpc import kvstore_pb2_grpc as pb_grpc
 from pdserve.connector.transport import ucx_available
-from pdserve.services.kvstore.client import KVStoreClient
-from pdserve.services.kvstore.errors import KVStoreUnavailable
-from pdserve.services.kvstore.records import PutStatus
+from pdserve.connector.kvstore.client import KVStoreClient, StoreClientConfig
+from pdserve.connector.kvstore.errors import KVStoreUnavailable
+from pdserve.connector.kvstore.records import PutStatus
 from pdserve.services.kvstore.redis_proc import RedisProcess
 from pdserve.services.launcher import Child, free_port, wait_until
 
@@ -113,7 +113,8 @@ def test_put_get_replicas_and_failures(tmp_path, transport):
 
 def test_failed_write_is_revoked_and_dead_node_dropped(tmp_path):
     async def main(maddr, nodes):
-        async with KVStoreClient(maddr, "tcp", rpc_timeout_s=3) as kv:
+        cfg = StoreClientConfig(lookup_timeout_s=3)
+        async with KVStoreClient(maddr, "tcp", config=cfg) as kv:
             _kill(nodes[0])
             with pytest.raises(KVStoreUnavailable):
                 await kv.put(b"k", b"y" * 1000, replica_num=2)

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from pdserve.services.kvstore.config import MasterConfig
 from pdserve.services.kvstore.master import MasterCore
 from pdserve.services.kvstore.metadata import RedisMetaStore
-from pdserve.services.kvstore.records import NodeInfo, PutStatus
+from pdserve.connector.kvstore.records import NodeInfo, PutStatus
 
 MiB = 1 << 20
 
@@ -240,4 +240,26 @@ def test_master_restart_keeps_metadata(env):
         assert (await m2.put_start(b"new", 100, 0)).replicas[0].offset >= 6016  # no overlap
         assert await m2.remove([b"kept"]) == 0  # the lease survived the restart too
 
+    env.run(main)
+
+
+def test_reads_renew_leases_without_redis_and_write_them_back_later(env):
+    async def main():
+        m = await env.make()
+        await _nodes(m, 1)
+        assert (await m.put_start(b"a", 100, lease_s=0)).status is PutStatus.OK
+        assert await m.put_end(b"a")
+        real = m._meta.save_objects
+
+        async def redis_down(metas):
+            raise ConnectionError("redis is down")
+        m._meta.save_objects = redis_down
+        env.clock.t += 100
+        assert (await m.get_replicas(b"a")).size == 100  # served from memory
+        with pytest.raises(ConnectionError):
+            await m.flush_renewals()  # kept pending
+        m._meta.save_objects = real
+        await m.flush_renewals()
+        again = await env.make()  # a restarted master sees the renewed lease
+        assert again._objects[b"a"].lease_until == env.clock.t + 5.0
     env.run(main)

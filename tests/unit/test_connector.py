@@ -1,6 +1,7 @@
 """KV connector over an in-process store with the tiny model: producer saves, consumer loads,
 greedy tokens equal a unified engine's; every load failure becomes a recomputation."""
 
+import asyncio
 import time
 
 import pytest
@@ -11,7 +12,8 @@ from pdserve.common.engine.engine_core import EngineCore
 from pdserve.common.engine.request import RequestStatus
 from pdserve.common.models.registry import load_model
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.connector.codec import BlockCodec
+from pdserve.connector.codec import HEADER_SIZE, BlockCodec
+from pdserve.connector.kvstore.auth import UNKEYED_MAC_KEY, BlockKeys
 from pdserve.connector.store import InMemoryBlockStore
 from pdserve.connector.store_connector import ConnectorConfig, StoreKVConnector
 
@@ -26,12 +28,13 @@ def tiny():
     return load_model("tiny")
 
 
-def engine(tiny, store=None, role=None, **conn_kw):
+def engine(tiny, store=None, role=None, mac_key=UNKEYED_MAC_KEY, **conn_kw):
     factory = None
     if store is not None:
         def factory(e):
             c = e.model_config
-            codec = BlockCodec(e.fingerprint, c.num_layers, BS, c.num_kv_heads, c.head_dim)
+            codec = BlockCodec(e.fingerprint, c.num_layers, BS, c.num_kv_heads, c.head_dim,
+                               mac_key=mac_key)
             return StoreKVConnector(store, codec, ConnectorConfig(role=role, **conn_kw))
     cfg = EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=64,
                        block_size=BS), scheduler=SchedulerConfig(max_model_len=256))
@@ -136,6 +139,35 @@ def test_failed_load_is_recomputed(tiny, reference, damage):
     decode.close()
 
 
+def test_forged_blocks_are_rejected_and_recomputed(tiny, reference):
+    """An attacker who knows the model (its fingerprint is public) but not the block secret
+    writes every block first, with its own KV: the engines' keyed MAC rejects each one and
+    they recompute, so the tokens stay right."""
+    store = InMemoryBlockStore()
+    prefill_then_decode(tiny, store)[1].close()  # blocks MAC'd with the public, unkeyed key
+    attacker = BlockCodec(*_geometry(tiny), mac_key=UNKEYED_MAC_KEY)
+    for k, v in list(store.objects.items()):  # ... and the attacker's KV in them
+        forged = bytearray(v)
+        forged[HEADER_SIZE:] = bytes(len(forged) - HEADER_SIZE)
+        forged[:HEADER_SIZE] = attacker.header(k, memoryview(forged)[HEADER_SIZE:])
+        store.objects[k] = bytes(forged)
+    secret = BlockKeys.from_secret(b"engine-secret-0123456789").mac
+    decode = engine(tiny, store, "consumer", mac_key=secret)
+    got, _ = run(decode, [(f"r{i}", p, GREEDY, None) for i, p in enumerate(PROMPTS)])
+    assert got == reference
+    s = decode.connector.stats
+    assert s.failure_reasons["codec"] == len(PROMPTS) and s.blocks_loaded == 0
+    decode.close()
+
+
+def _geometry(tiny):
+    e = engine(tiny)
+    c = e.model_config
+    geo = (e.fingerprint, c.num_layers, BS, c.num_kv_heads, c.head_dim)
+    e.close()
+    return geo
+
+
 def test_slow_load_times_out_and_recomputes(tiny, reference):
     store = InMemoryBlockStore()
     prefill_then_decode(tiny, store)[1].close()
@@ -147,13 +179,45 @@ def test_slow_load_times_out_and_recomputes(tiny, reference):
     decode.close()
 
 
+def test_a_hung_store_lookup_never_blocks_the_engine_thread(tiny, reference):
+    """The prefix lookup runs on the connector's I/O thread: while the master does not
+    answer, steps return (the request waits) instead of blocking; when it answers, the load
+    goes on as usual."""
+    store = InMemoryBlockStore()
+    prefill_then_decode(tiny, store)[1].close()
+    decode = engine(tiny, store, "consumer")
+    release = decode.connector.io.run(_make_event(), 5)
+    real = store.prefix_lookup
+
+    async def blackholed(keys):
+        await release.wait()
+        return await real(keys)
+    store.prefix_lookup = blackholed
+    decode.add_request("r0", PROMPTS[0], GREEDY)
+    for _ in range(50):  # would hang here if a step waited for the lookup
+        assert decode.step() == []
+    assert decode.scheduler.lookup_pending and decode.scheduler.waiting[0].request_id == "r0"
+    decode.connector.io.loop.call_soon_threadsafe(release.set)
+    got, _ = run(decode, [])
+    assert got["r0"] == reference["r0"]
+    assert decode.connector.stats.blocks_loaded == len(PROMPTS[0]) // BS
+    decode.close()
+
+
+async def _make_event():
+    return asyncio.Event()
+
+
 def test_cancel_while_waiting_for_kv(tiny):
     store = InMemoryBlockStore()
     prefill_then_decode(tiny, store)[1].close()
     store.delay_s = 0.3
     decode = engine(tiny, store, "consumer")
     decode.add_request("c", PROMPTS[0], GREEDY)
-    decode.step()
+    for _ in range(10_000):  # the first steps wait for the store lookup
+        decode.step()
+        if "c" in decode.scheduler.kv_waiting:
+            break
     req = decode.scheduler.kv_waiting["c"]
     assert req.status == RequestStatus.WAITING_FOR_KV
     decode.abort_request("c")

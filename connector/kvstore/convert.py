@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pdserve.common.rpc import kvstore_pb2 as pb
-from pdserve.services.kvstore.records import (NodeInfo, NodeUsage, PutStart, PutStatus,
-                                              Replica, ReplicaList, StoreStats)
+from pdserve.connector.kvstore.records import (NodeInfo, NodeUsage, PutStart, PutStatus,
+                                               Replica, ReplicaList, StoreStats)
 
 _PUT_STATUS = {
     PutStatus.OK: pb.PUT_START_OK,
@@ -16,11 +16,12 @@ _PUT_STATUS_BACK = {v: k for k, v in _PUT_STATUS.items()}
 
 
 def replica_to_pb(r: Replica) -> pb.Replica:
-    return pb.Replica(node_id=r.node_id, address=r.address, offset=r.offset)
+    return pb.Replica(node_id=r.node_id, address=r.address, offset=r.offset,
+                      capability=r.capability)
 
 
 def replica_from_pb(m: pb.Replica) -> Replica:
-    return Replica(m.node_id, m.address, m.offset)
+    return Replica(m.node_id, m.address, m.offset, m.capability)
 
 
 def put_start_to_pb(p: PutStart) -> pb.PutStartResponse:
@@ -45,6 +46,11 @@ def replica_list_from_pb(m: pb.GetReplicaListResponse) -> ReplicaList | None:
     if not m.found:
         return None
     return ReplicaList(m.size, tuple(replica_from_pb(r) for r in m.replicas))
+
+
+def node_to_pb(n: NodeInfo) -> pb.RegisterNodeRequest:
+    return pb.RegisterNodeRequest(node_id=n.node_id, address=n.address, capacity=n.capacity,
+                                  incarnation=n.incarnation)
 
 
 def node_from_pb(m: pb.RegisterNodeRequest) -> NodeInfo:

@@ -1,7 +1,8 @@
 """A few transport connections per storage node, reused across requests.
 
 A transport connection carries one request at a time, so parallel transfers to one node need
-several; a connection that failed is dropped, not returned.
+several; a connection that failed is dropped, not returned. Connecting has a deadline: a node
+that does not accept within it counts as down.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import asynccontextmanager
 
-from pdserve.connector.transport import Connection, Transport, TransportError
+from pdserve.connector.transport import Connection, RemoteError, Transport, TransportError
 
 
 class _NodeConns:
@@ -19,21 +20,32 @@ class _NodeConns:
 
 
 class ConnectionPool:
-    def __init__(self, transport: Transport, per_node: int = 4):
+    def __init__(self, transport: Transport, per_node: int = 4, connect_timeout_s: float = 2.0):
         if per_node < 1:
             raise ValueError("per_node must be >= 1")
         self._transport = transport
         self._per_node = per_node
+        self._connect_timeout_s = connect_timeout_s
         self._nodes: dict[str, _NodeConns] = {}
+
+    async def _connect(self, addr: str) -> Connection:
+        try:
+            return await asyncio.wait_for(self._transport.connect(addr), self._connect_timeout_s)
+        except asyncio.TimeoutError:
+            raise TransportError(f"connect to {addr} timed out after "
+                                 f"{self._connect_timeout_s} s") from None
 
     @asynccontextmanager
     async def connection(self, addr: str):
         node = self._nodes.setdefault(addr, _NodeConns(self._per_node))
         async with node.slots:
-            conn = node.idle.pop() if node.idle else await self._transport.connect(addr)
+            conn = node.idle.pop() if node.idle else await self._connect(addr)
             try:
                 yield conn
-            except (TransportError, asyncio.CancelledError):
+            except RemoteError:  # the peer answered (refused): the stream is in step
+                node.idle.append(conn)
+                raise
+            except BaseException:
                 await conn.close()  # mid-request state is unknown: never reuse it
                 raise
             node.idle.append(conn)

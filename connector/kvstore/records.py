@@ -24,6 +24,7 @@ class Replica:
     node_id: str
     address: str
     offset: int
+    capability: bytes = b""  # the master's grant for one op on this range (auth.py); never stored
 
 
 @dataclass(frozen=True)
