@@ -445,9 +445,9 @@ def test_observability_configs_scrape_the_router_metrics():
 
 
 def _router_routes() -> dict[str, set[str]]:
-    from pdserve.services.router.api.http_app import build_app
+    from pdserve.tests.deploy.router_routes import router_app
 
-    app = build_app(object())  # routes are registered up front; state is used per request
+    app = router_app()
     return {r.path: set(getattr(r, "methods", None) or ()) for r in app.routes}
 
 

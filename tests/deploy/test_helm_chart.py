@@ -277,9 +277,9 @@ def test_container_args_parse_and_listen_where_declared(chart, scenario):
 
 @pytest.mark.parametrize("scenario", ["default", "everything"])
 def test_probes_use_real_health_endpoints(chart, scenario):
-    from pdserve.services.router.api.http_app import build_app
+    from pdserve.tests.deploy.router_routes import router_app
 
-    routes = {r.path for r in build_app(object()).routes}
+    routes = {r.path for r in router_app().routes}
     docs, _ = render(chart, SCENARIOS[scenario])
     for wl, c in pdserve_containers(docs):
         args = parse(expanded_args(docs, c))
@@ -410,9 +410,9 @@ def test_api_keys_secret_and_servicemonitor(chart):
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     endpoint = sm["spec"]["endpoints"][0]
     assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]}
-    from pdserve.services.router.api.http_app import build_app
+    from pdserve.tests.deploy.router_routes import router_app
 
-    assert endpoint["path"] in {r.path for r in build_app(object()).routes}
+    assert endpoint["path"] in {r.path for r in router_app().routes}
     assert svc["spec"]["type"] == "LoadBalancer" and "loadBalancer.ingress" in notes
     docs, _ = render(chart, {})
     assert not by_kind(docs, "ServiceMonitor") and not by_kind(docs, "HorizontalPodAutoscaler")
