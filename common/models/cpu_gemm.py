@@ -15,6 +15,7 @@ packs its own copy). After packing, `weight_loader` can no longer be used on tho
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 CpuGemmName = Literal["auto", "onednn", "torch"]
 
 
+@functools.lru_cache(maxsize=1)
 def onednn_available() -> bool:
     return (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -52,7 +54,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                   activation: str = "none") -> torch.Tensor:
-    """x [T, in] -> act(x W^T + b) [T, out] with a weight from `pack_weight`; `activation`
+    """x [T, in] -> act(x W^T + b) [T, out] with a weight from `pack_weight` (a plain fp32
+    [out, in] weight works too: oneDNN then reorders it per call); `activation`
     ("none" or "swish", i.e. SiLU) runs as a oneDNN post-op, in the GEMM's own pass."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, activation, [], "")
 

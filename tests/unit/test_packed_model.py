@@ -45,7 +45,7 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp's, which the 
 def write_gguf(path, tied: bool) -> None:
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), "llama")
-    for fn, v in (("add_block_count", 2), ("add_context_length", 256),
+    for fn, v in (("add_block_count", 2), ("add_context_length", 1024),
                   ("add_embedding_length", H), ("add_feed_forward_length", INTER),
                   ("add_head_count", HEADS), ("add_head_count_kv", KV_HEADS),
                   ("add_layer_norm_rms_eps", 1e-5), ("add_vocab_size", VOCAB)):
@@ -82,8 +82,8 @@ def write_gguf(path, tied: bool) -> None:
 def engine(path, packed: bool) -> LLM:
     config, weights = load_gguf(path, packed=packed)
     loaded = LoadedModel(config, weights, Tokenizer.tiny(), model_fingerprint(config, weights))
-    return LLM(EngineConfig(model="tiny", num_threads=2, cache=CacheConfig(num_blocks=64),
-                            scheduler=SchedulerConfig(max_num_batched_tokens=64)), loaded=loaded)
+    return LLM(EngineConfig(model="tiny", num_threads=2, cache=CacheConfig(num_blocks=96),
+                            scheduler=SchedulerConfig(max_num_batched_tokens=512)), loaded=loaded)
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])

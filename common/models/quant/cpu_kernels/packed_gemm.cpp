@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -219,6 +220,52 @@ void expand_row(const uint8_t* row, int64_t K, float* out) {
     for (int j = 0; j < NV; ++j) vstore(out + b * QK + j * VL, w[j]);
   }
 }
+
+// Panel path, for more activation rows: PANEL weight rows are expanded once into an fp32
+// scratch panel (L1/L2-resident), then a register-tiled micro-kernel multiplies R activation
+// rows by C panel rows (R * C accumulators, each x and w vector loaded once per tile), over
+// M in blocks of MBLOCK rows so the activations stay in L2 while the panel is reused.
+constexpr int NR = 4;
+constexpr int MR = VL == 16 ? 4 : 2;
+constexpr int64_t PANEL = 32, MBLOCK = 32;
+
+template <int R, int C>
+inline void micro(const Gemm& g, const float* panel, int64_t n, int64_t m) {
+  vec acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vzero();
+  for (int64_t k = 0; k < g.K; k += VL) {
+    vec xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = vload(g.x + (m + r) * g.sx + k);
+    for (int c = 0; c < C; ++c) {
+      const vec w = vload(panel + c * g.K + k);
+      for (int r = 0; r < R; ++r) acc[r][c] = vfma(xv[r], w, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) g.store(m + r, n + c, vsum(acc[r][c]));
+}
+
+template <int C>
+inline void micro_rows(const Gemm& g, const float* panel, int64_t n, int64_t m0, int64_t m1) {
+  int64_t m = m0;
+  for (; m + MR <= m1; m += MR) micro<MR, C>(g, panel, n, m);
+  for (; m < m1; ++m) micro<1, C>(g, panel, n, m);
+}
+
+template <int64_t QT>
+void gemm_panels(const Gemm& g, int64_t n0, int64_t n1, float* scratch) {
+  for (int64_t p0 = n0; p0 < n1; p0 += PANEL) {
+    const int64_t p1 = std::min(p0 + PANEL, n1);
+    for (int64_t n = p0; n < p1; ++n) expand_row<QT>(g.w + n * g.row_bytes, g.K, scratch + (n - p0) * g.K);
+    for (int64_t m0 = 0; m0 < g.M; m0 += MBLOCK) {
+      const int64_t m1 = std::min(m0 + MBLOCK, g.M);
+      int64_t n = p0;
+      for (; n + NR <= p1; n += NR) micro_rows<NR>(g, scratch + (n - p0) * g.K, n, m0, m1);
+      for (; n < p1; ++n) micro_rows<1>(g, scratch + (n - p0) * g.K, n, m0, m1);
+    }
+  }
+}
 #else
 // Plain C++: each block expanded to a float[32] (the compiler vectorizes what it can).
 template <int64_t QT>
@@ -268,6 +315,10 @@ void dispatch(int64_t qtype, F&& f) {
 
 }  // namespace
 
+// From this many activation rows on, the panel path (expand once, register-tiled micro-kernel)
+// beats re-expanding blocks in registers per row tile (quant/crossover.py measures both).
+constexpr int64_t PANEL_MIN_M = 4;
+
 // x [M, K] fp32 (unit column stride; rows may be strided), w [N, K / 32 * block_bytes] uint8,
 // bias [N] fp32 or None, residual [M, N] fp32 (unit column stride) or None -> [M, N] fp32.
 at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
@@ -302,6 +353,18 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
   if (M == 0 || N == 0) return out;
   // enough rows per task to amortize scheduling, few enough that both threads stay busy
   const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, N / (8 * at::get_num_threads())));
+#if defined(__AVX2__) && defined(__FMA__)
+  if (M >= PANEL_MIN_M) {  // expand each weight row once, reuse it from scratch for all rows
+    dispatch(qtype, [&](auto qt) {
+      at::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t q0, int64_t q1) {
+        std::vector<float> scratch(PANEL * K);
+        gemm_panels<decltype(qt)::value>(g, q0 * PANEL, std::min(q1 * PANEL, N),
+                                         scratch.data());
+      });
+    });
+    return out;
+  }
+#endif
   dispatch(qtype, [&](auto qt) {
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       gemm_columns<decltype(qt)::value>(g, n0, n1);
