@@ -101,6 +101,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--itl-target-ms", type=float, default=0.0,
+                   help="adapt the per-step token budget (up to --max-num-batched-tokens) so "
+                        "steps carrying decodes take about this long; 0 -> fixed budget")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
@@ -171,6 +174,7 @@ def engine_argv(args, cpus: Optional[str] = None, threads: Optional[int] = None)
     argv = ["--tiny-seed", str(args.tiny_seed), "--num-threads", str(threads),
             "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--itl-target-ms", str(args.itl_target_ms),
             "--block-size", str(args.block_size), "--device", args.device,
             "--attention-backend", args.attention_backend, "--cpu-gemm", args.cpu_gemm,
             "--weights", args.weights]
@@ -207,6 +211,7 @@ def _run_engine(args) -> int:
         cpus=tuple(int(c) for c in args.cpus.split(",") if c),
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        itl_target_ms=args.itl_target_ms,
         num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         kv_store=args.kv_store, kv_transport=args.kv_transport, kv_lease_s=args.kv_lease,
         kv_load_timeout_s=args.kv_load_timeout, metrics_port=args.metrics_port,

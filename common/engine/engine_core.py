@@ -44,6 +44,7 @@ from pdserve.common.models.cpu_gemm import resolve_cpu_gemm
 from pdserve.common.models.quant.footprint import loaded_weights_footprint
 from pdserve.common.models.registry import LoadedModel, load_model
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.engine.step_profile import StepProfile
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class EngineCore:
         self._seeds = random.Random(config.seed)  # seeds for requests that bring none
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer)
         self._aborted: list[RequestOutput] = []
+        self.profile = StepProfile()  # where step time goes (served-path profile)
 
     def _start_executor(self, loaded: LoadedModel, num_blocks: int, given: bool) -> Executor:
         config, cfg = self.config, self.model_config
@@ -191,20 +193,28 @@ class EngineCore:
 
     # -- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter_ns()
         outputs, self._aborted = self._aborted, []
         sched = self.scheduler.schedule()
         sampled = None
+        t1 = t2 = time.perf_counter_ns()
+        reqs = ()
         if sched.chunks:
             logits = self._execute(sched)
+            t2 = time.perf_counter_ns()
             reqs = self.scheduler.sampled_requests(sched)
             if reqs:
                 sampled = self.sampler(logits, reqs)
         else:
             self.executor.check_health()
+        t3 = time.perf_counter_ns()
         emit = self.scheduler.update_from_output(sched, sampled)
         if not sched.chunks and not emit and self.scheduler.has_unfinished():
             time.sleep(0.0005)  # only connector I/O is pending: don't spin
         outputs.extend(self._output(req) for req in emit)
+        if sched.chunks:
+            self.profile.add_step(sched.num_tokens, len(reqs), t0, t1, t2, t3,
+                                  time.perf_counter_ns())
         return outputs
 
     def _execute(self, sched) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional, Protocol
 
+from pdserve.common.engine.step_profile import StepProfile
 from pdserve.common.engine.kv_transfer import KVTransferParams
 from pdserve.common.engine.outputs import EngineStats, RequestOutput
 from pdserve.common.engine.request import Request
@@ -25,6 +26,7 @@ class EngineClient(Protocol):
     tokenizer: object  # encode / decode / encode_chat / eos_token_ids / vocab_size
     max_model_len: int
     fingerprint: str  # "" when the engine has no model fingerprint
+    profile: StepProfile  # cumulative step-phase counters, written by the stepping thread
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, first_token_id: Optional[int] = None,

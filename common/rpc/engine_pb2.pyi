@@ -200,7 +200,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_usage", "num_waiting_tokens", "num_free_blocks", "num_total_blocks", "num_aborted", "num_finished", "num_waiting_for_kv", "num_kv_load_failures", "kv", "num_step_failures")
+    __slots__ = ("num_running", "num_waiting", "kv_usage", "num_waiting_tokens", "num_free_blocks", "num_total_blocks", "num_aborted", "num_finished", "num_waiting_for_kv", "num_kv_load_failures", "kv", "num_step_failures", "profile")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class LoadResponse(_message.Message):
     NUM_KV_LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     NUM_STEP_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_usage: float
@@ -225,7 +226,36 @@ class LoadResponse(_message.Message):
     num_kv_load_failures: int
     kv: KVTransferStats
     num_step_failures: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_waiting_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_kv_load_failures: _Optional[int] = ..., kv: _Optional[_Union[KVTransferStats, _Mapping]] = ..., num_step_failures: _Optional[int] = ...) -> None: ...
+    profile: StepProfile
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_waiting_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_kv_load_failures: _Optional[int] = ..., kv: _Optional[_Union[KVTransferStats, _Mapping]] = ..., num_step_failures: _Optional[int] = ..., profile: _Optional[_Union[StepProfile, _Mapping]] = ...) -> None: ...
+
+class StepProfile(_message.Message):
+    __slots__ = ("num_steps", "num_tokens", "num_sampled", "num_messages", "schedule_ns", "forward_ns", "sample_ns", "update_ns", "publish_ns", "handoff_ns", "deliver_ns", "send_ns")
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    NUM_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_NS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_NS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_NS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_NS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_NS_FIELD_NUMBER: _ClassVar[int]
+    DELIVER_NS_FIELD_NUMBER: _ClassVar[int]
+    SEND_NS_FIELD_NUMBER: _ClassVar[int]
+    num_steps: int
+    num_tokens: int
+    num_sampled: int
+    num_messages: int
+    schedule_ns: int
+    forward_ns: int
+    sample_ns: int
+    update_ns: int
+    publish_ns: int
+    handoff_ns: int
+    deliver_ns: int
+    send_ns: int
+    def __init__(self, num_steps: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_sampled: _Optional[int] = ..., num_messages: _Optional[int] = ..., schedule_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., update_ns: _Optional[int] = ..., publish_ns: _Optional[int] = ..., handoff_ns: _Optional[int] = ..., deliver_ns: _Optional[int] = ..., send_ns: _Optional[int] = ...) -> None: ...
 
 class KVTransferStats(_message.Message):
     __slots__ = ("blocks_saved", "blocks_loaded", "bytes_saved", "bytes_loaded", "save_failures", "load_failures", "lookup_failures", "save_seconds", "load_seconds", "failure_reasons")

@@ -79,6 +79,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             timings = pb.Timings(queue_s=stream.accepted_at - arrival)
             yield pb.DecodeResponse(timings=timings)  # accepted: the caller may stop waiting
             last_token_at = None  # loop.time() of the previous message with tokens
+            prof = self._engine.profile
             sent = 0
             async for out in stream:
                 msg = output_to_proto(out)
@@ -101,7 +102,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                                               sent)
                     timings.breakdown.update(breakdown)
                     msg.timings.CopyFrom(timings)
-                yield msg
+                t0 = time.perf_counter_ns()
+                yield msg  # returns once gRPC wrote it and wants the next
+                prof.send_ns += time.perf_counter_ns() - t0
+                prof.num_messages += 1
         except RequestFailedError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         except EngineDeadError as exc:

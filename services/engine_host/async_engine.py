@@ -22,6 +22,7 @@ from pdserve.common.engine.kv_transfer import KVTransferParams
 from pdserve.common.engine.protocol import EngineFatalError
 from pdserve.common.engine.outputs import EngineStats, FinishReason, RequestOutput
 from pdserve.common.engine.protocol import EngineClient
+from pdserve.common.engine.step_budget import StepBudgetController
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.services.engine_host.request_stream import RequestStream
 from pdserve.services.engine_host.request_timeline import TimelineTracker
@@ -58,8 +59,13 @@ _STOP = object()
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineClient, max_pending_outputs: int = 8, idle_poll_s: float = 0.5):
+    def __init__(self, core: EngineClient, max_pending_outputs: int = 8, idle_poll_s: float = 0.5,
+                 step_budget: Optional[StepBudgetController] = None):
+        """`step_budget`: sets the scheduler's token budget before each step from measured
+        step times (`--itl-target-ms`); None -> the configured budget, fixed."""
         self.core = core
+        self.profile = core.profile  # the core's step phases; the service adds its own
+        self._budget = step_budget
         self._max_pending = max_pending_outputs
         self._idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -153,6 +159,9 @@ class AsyncEngine:
                 if not self._drain(block=not busy):
                     break
                 if self.core.has_unfinished_requests():
+                    if self._budget is not None:
+                        self._set_budget()
+                    steps = self.profile.num_steps
                     t0 = time.time_ns()
                     try:
                         outputs = self.core.step()
@@ -162,10 +171,13 @@ class AsyncEngine:
                         self._step_failed(exc)
                         continue
                     t1 = time.time_ns()
+                    if self._budget is not None and self.profile.num_steps != steps:
+                        self._budget.observe(self.profile.last_step_tokens, (t1 - t0) * 1e-9)
                     self._timelines.observe(t0, t1)  # before publishing: see RequestTimeline
                     # the snapshot first: a client that saw this step's outputs reads its stats
                     self._stats = self.core.stats()
                     self._publish(outputs, t1)
+                    self.profile.publish_ns += time.time_ns() - t1
                 else:
                     self._stats = self.core.stats()
                 self.busy = bool(self._streams) or self.core.has_unfinished_requests()
@@ -217,6 +229,11 @@ class AsyncEngine:
         self._timelines.watch(rid, stream.timeline)
         self._loop.call_soon_threadsafe(stream.accept)
 
+    def _set_budget(self) -> None:
+        sched = self.core.scheduler
+        has_decodes = any(r.num_tokens - r.num_computed_tokens == 1 for r in sched.running)
+        sched.token_budget = self._budget.budget(has_decodes)
+
     def _step_failed(self, exc: Exception) -> None:
         """Aborts the requests that were running when the step raised (the batch), each
         failing with a clear error; waiting requests and the loop go on. An abort that raises
@@ -245,7 +262,7 @@ class AsyncEngine:
                 self.num_finished += out.finish_reason != FinishReason.ABORT
             batch.append((stream, out))
         if batch:
-            self._loop.call_soon_threadsafe(_deliver, batch)
+            self._loop.call_soon_threadsafe(_deliver, batch, self.profile, time.time_ns())
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = list(self._streams.values()), {}
@@ -264,6 +281,9 @@ class AsyncEngine:
                 pass  # the loop is already closed
 
 
-def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
+def _deliver(batch: list[tuple[RequestStream, RequestOutput]], profile, sent_ns: int) -> None:
+    t0 = time.time_ns()
     for stream, out in batch:
         stream.put(out)
+    profile.handoff_ns += t0 - sent_ns  # written on the loop thread only
+    profile.deliver_ns += time.time_ns() - t0

@@ -28,6 +28,7 @@ from pdserve.services.common.grpc_standard import (StandardHealth, add_standard_
                                                     service_names)
 from pdserve.services.common.signals import wait_for_signal
 from pdserve.services.common.tls import add_port
+from pdserve.common.engine.step_budget import StepBudgetConfig, StepBudgetController
 from pdserve.common.telemetry.engine_metrics import EngineMetrics
 from pdserve.common.telemetry.tracing import Tracing, setup_tracing
 from pdserve.services.engine_host.async_engine import AsyncEngine
@@ -82,7 +83,13 @@ async def start_engine_server(cfg: EngineServiceConfig, core,
     from pdserve.services.decode.servicer import DecodeServicer
     from pdserve.services.prefill.servicer import PrefillServicer
 
-    engine = AsyncEngine(core, max_pending_outputs=cfg.max_pending_outputs)
+    budget = None
+    if cfg.itl_target_ms > 0:
+        budget = StepBudgetController(StepBudgetConfig(
+            cfg.itl_target_ms * 1e-3, cfg.max_num_batched_tokens,
+            min_tokens=min(16, cfg.max_num_batched_tokens)))
+    engine = AsyncEngine(core, max_pending_outputs=cfg.max_pending_outputs,
+                         step_budget=budget)
     engine.start(asyncio.get_running_loop())
     kv = cfg.kv_settings()
     info = InstanceInfo(model=cfg.model, role=cfg.role, max_model_len=core.max_model_len,

@@ -23,6 +23,7 @@ class EngineServiceConfig:
     max_model_len: int = 2048
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    itl_target_ms: float = 0.0  # > 0: adapt the step token budget to this step time
     block_size: int = 16
     num_blocks: Optional[int] = None
     kv_cache_bytes: Optional[int] = None
@@ -57,6 +58,8 @@ class EngineServiceConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if any(c < 0 for c in self.cpus):
             raise ValueError(f"cpus must be core indices >= 0, got {self.cpus}")
+        if not 0 <= self.itl_target_ms < 1e6:
+            raise ValueError(f"itl_target_ms must be in [0, 1e6), got {self.itl_target_ms}")
         if self.max_pending_outputs < 1:
             raise ValueError(f"max_pending_outputs must be >= 1, got {self.max_pending_outputs}")
         if self.grpc_max_message_bytes < 1 or self.grpc_max_concurrent_rpcs < 1:

@@ -45,6 +45,9 @@ def load_response(engine: AsyncEngine) -> pb.LoadResponse:
     load.num_aborted = engine.num_aborted
     load.num_finished = engine.num_finished
     load.num_step_failures = engine.num_step_failures
+    p = engine.profile.snapshot()
+    del p["last_step_tokens"]
+    load.profile.CopyFrom(pb.StepProfile(**p))
     kv = engine.kv_stats()
     if kv is not None:
         load.kv.CopyFrom(kv_stats_to_proto(kv))

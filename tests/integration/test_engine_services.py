@@ -44,8 +44,14 @@ def test_unified_decode_and_prefill_match_offline():
         first = await pb_grpc.PrefillServiceStub(ch).Prefill(
             pb.PrefillRequest(request_id="p", prompt_token_ids=PROMPT, params=params))
         health = await pb_grpc.DecodeServiceStub(ch).Health(pb.HealthRequest())
-        return msgs, first, health
-    msgs, first, health = serve("unified", body)
+        load = await pb_grpc.DecodeServiceStub(ch).GetLoad(pb.LoadRequest())
+        return msgs, first, health, load.profile
+    msgs, first, health, prof = serve("unified", body)
+    # the served-path profile: 8 decode steps' phases, the prefill's step, the messages sent
+    assert prof.num_steps >= 9 and prof.num_sampled >= 9 and prof.num_tokens >= 2 * 7 + 7
+    assert prof.num_messages == len(msgs) - 1  # every streamed message after "accepted"
+    assert min(prof.forward_ns, prof.sample_ns, prof.update_ns, prof.handoff_ns,
+               prof.deliver_ns, prof.send_ns) > 0
     assert not msgs[0].token_ids and msgs[0].finish_reason == 0  # the "accepted" message
     assert [t for m in msgs for t in m.token_ids] == want.token_ids
     assert sum(len(m.logprobs) for m in msgs) == 8

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+from pdserve.common.engine.step_profile import StepProfile
 from pdserve.common.engine.outputs import (EngineStats, FinishReason, RequestOutput,
                                            TokenLogprob)
 
@@ -47,10 +48,11 @@ class FakeEngineCore:  # implements pdserve.common.engine.protocol.EngineClient
         self._eos_after = eos_after  # emit EOS as the n-th token
         self._reqs: dict[str, dict] = {}
         self._aborted: list[str] = []
+        self.profile = StepProfile()
 
     def add_request(self, request_id, prompt_token_ids, params, first_token_id=None,
-                    kv_transfer=None):
-        if first_token_id is not None or kv_transfer is not None:
+                    kv_transfer=None, resumed_token_ids=()):
+        if first_token_id is not None or kv_transfer is not None or resumed_token_ids:
             raise ValueError("the fake engine does not continue prefilled requests")
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")

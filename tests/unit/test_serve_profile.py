@@ -1,0 +1,28 @@
+"""The served-path breakdown's arithmetic (bench/serve_profile.py)."""
+
+import pytest
+
+from pdserve.bench.serve_profile import delta_breakdown
+from pdserve.common.engine.step_profile import PHASES, StepProfile
+
+
+def test_breakdown_is_per_step_over_the_window():
+    p = StepProfile()
+    p.add_step(64, 64, 0, 1_000_000, 41_000_000, 43_000_000, 44_000_000)
+    before = p.snapshot()
+    for _ in range(4):
+        p.add_step(32, 32, 0, 2_000_000, 32_000_000, 36_000_000, 37_000_000)
+    p.send_ns += 8_000_000
+    p.num_messages += 128
+    b = delta_breakdown(before, p.snapshot())
+    assert (b.num_steps, b.num_sampled, b.num_messages) == (4, 128, 128)
+    assert b.ms_per_step["schedule"] == 2.0 and b.ms_per_step["forward"] == 30.0
+    assert b.ms_per_step["sample"] == 4.0 and b.ms_per_step["update"] == 1.0
+    assert b.ms_per_step["send"] == 2.0 and set(b.ms_per_step) == set(PHASES)
+    assert b.step_ms == 37.0
+
+
+def test_an_idle_window_is_refused():
+    s = StepProfile().snapshot()
+    with pytest.raises(ValueError, match="no engine step"):
+        delta_breakdown(s, s)
