@@ -224,6 +224,12 @@ class AsyncEngine:
         except ValueError as exc:
             self._loop.call_soon_threadsafe(stream.fail, exc)
             return
+        except Exception as exc:  # a bug, not bad input: fail this request, never hang it
+            log.exception("add_request failed for %s", rid)
+            self._loop.call_soon_threadsafe(
+                stream.fail, RequestFailedError(f"the engine could not take this request "
+                                                f"({type(exc).__name__}: {exc})"))
+            return
         self._streams[rid] = stream
         self.busy = True
         self._timelines.watch(rid, stream.timeline)
