@@ -49,7 +49,9 @@ class Up:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", "up", "--model", "tiny", "--port",
              str(self.port), "--grpc-port", str(gport), "--log-dir", str(tmp_path / "logs"),
-             "--num-blocks", "256", "--max-model-len", "512", *extra],
+             "--num-blocks", "256", "--max-model-len", "512",
+             "--insecure",  # plaintext gRPC: this test's clients bring no certificate
+             *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
