@@ -171,3 +171,15 @@ def test_limit_flags_reach_the_config():
     defaults = router_config(p.parse_args(["serve", "router", "--model", "tiny", "--backends",
                                            "127.0.0.1:1"]), cli_serve._addresses)
     assert defaults.limits == LimitsConfig()
+
+
+def test_one_token_id_prompt_is_one_prompt_whatever_its_length():
+    """A list of ints is one prompt (bounded later by the model length); only a batch of
+    prompts is capped at MAX_PROMPTS."""
+    from pdserve.services.router.api.errors import APIError
+    from pdserve.services.router.api.prompts import MAX_PROMPTS, completion_prompts
+
+    ids = list(range(1, 3 * MAX_PROMPTS))
+    assert completion_prompts(ids, tokenizer=None) == [ids]
+    with pytest.raises(APIError, match="at most"):
+        completion_prompts([[1, 2]] * (MAX_PROMPTS + 1), tokenizer=None)

@@ -11,13 +11,15 @@ MAX_PROMPTS = 64  # a completions batch; prompts x n is bounded by max_n as well
 
 
 def completion_prompts(prompt, tokenizer) -> list[list[int]]:
-    """OpenAI's `prompt`: a string, strings, token ids, or lists of token ids."""
-    if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS:
-        raise bad_request(f"prompt may list at most {MAX_PROMPTS} prompts", param="prompt")
+    """OpenAI's `prompt`: a string, strings, token ids, or lists of token ids. One list of
+    token ids is one prompt (its length is the prompt's, bounded by the model length later);
+    a list of strings or of id lists is a batch of at most MAX_PROMPTS."""
     if isinstance(prompt, str):
         prompts = [tokenizer.encode(prompt)]
     elif prompt and all(isinstance(p, int) for p in prompt):
         prompts = [list(prompt)]
+    elif len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"prompt may list at most {MAX_PROMPTS} prompts", param="prompt")
     elif all(isinstance(p, str) for p in prompt):
         prompts = [tokenizer.encode(p) for p in prompt]
     else:
