@@ -91,7 +91,7 @@ def test_a_stream_migrates_and_continues_without_error_or_repeats():
                 assert sorted(f.calls for f in fakes) == [1, 1, 1]
                 metrics = (await c.get(f"{url}/metrics")).text
             assert 'pdserve_router_migrations_total{outcome="ok"} 2.0' in metrics
-            assert 'rung="error_after_tokens"' not in metrics
+            assert 'pdserve_router_fallback_rungs_total{rung="error_after_tokens"} 0.0' in metrics
             for backend in running.state.pool.backends:
                 assert backend.inflight == 0 and backend.inflight_tokens == 0
         finally:
