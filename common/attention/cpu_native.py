@@ -80,13 +80,18 @@ def _cache_root() -> Path:
     return Path.home() / ".cache" / "torch_extensions" / "pdserve"
 
 
-def module_name(flags: list[str]) -> str:
-    """Unique per source version and everything else the binary depends on."""
+def sources_module_name(prefix: str, kernel_dir: Path, flags: list[str]) -> str:
+    """`prefix`_HASH, unique per version of every source and header in `kernel_dir` and
+    everything else the binary depends on (flags, torch, Python, machine)."""
     h = hashlib.sha256()
-    for path in sorted(KERNEL_DIR.glob("*.[ch]*")):  # every source and header
+    for path in sorted(kernel_dir.glob("*.[ch]*")):  # every source and header
         h.update(path.name.encode() + path.read_bytes())
     h.update(repr((flags, torch.__version__, sys.version_info[:2], platform.machine())).encode())
-    return f"pdserve_cpu_attn_{h.hexdigest()[:16]}"
+    return f"{prefix}_{h.hexdigest()[:16]}"
+
+
+def module_name(flags: list[str]) -> str:
+    return sources_module_name("pdserve_cpu_attn", KERNEL_DIR, flags)
 
 
 def build_directory() -> Path:
@@ -102,9 +107,9 @@ def _import_built(name: str, directory: Path) -> ModuleType:
     return module
 
 
-def _build_or_import() -> ModuleType:
-    flags = compile_flags()
-    name = module_name(flags)
+def build_or_import(name: str, sources, flags: list[str], what: str) -> ModuleType:
+    """The extension `name` from the kernel cache, built from `sources` with `flags` first if
+    this version was never built (`what` names it in the one log line a build prints)."""
     directory = _cache_root() / name
     if (directory / _OK_MARKER).exists():
         return _import_built(name, directory)
@@ -113,12 +118,17 @@ def _build_or_import() -> ModuleType:
         raise RuntimeError(f"C++ compiler {compiler!r} not found")
     from torch.utils import cpp_extension  # imported only when a build is needed (slow import)
     directory.mkdir(parents=True, exist_ok=True)
-    log.info("building native CPU attention kernels in %s (once per source version)", directory)
-    module = cpp_extension.load(name=name, sources=[str(p) for p in SOURCES],
+    log.info("building %s in %s (once per source version)", what, directory)
+    module = cpp_extension.load(name=name, sources=[str(p) for p in sources],
                                 extra_cflags=flags,
                                 extra_ldflags=["-fopenmp"], build_directory=str(directory))
     (directory / _OK_MARKER).write_text("ok\n")
     return module
+
+
+def _build_or_import() -> ModuleType:
+    flags = compile_flags()
+    return build_or_import(module_name(flags), SOURCES, flags, "native CPU attention kernels")
 
 
 @functools.lru_cache(maxsize=1)

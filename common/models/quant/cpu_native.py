@@ -11,25 +11,18 @@ warning) and packed layers fall back to expanding the weight with torch ops
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import sys
 from pathlib import Path
 from types import ModuleType
 
-import torch
-
-from pdserve.common.attention.cpu_native import (_cache_root, _cpu_flags, _import_built,
-                                                 compile_flags)
+from pdserve.common.attention.cpu_native import (_cpu_flags, build_or_import, compile_flags,
+                                                 sources_module_name)
 
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent / "cpu_kernels"
 SOURCES = (KERNEL_DIR / "packed_gemm.cpp",)
-_OK_MARKER = "BUILD_OK"
 
 
 def packed_compile_flags() -> list[str]:
@@ -41,29 +34,12 @@ def packed_compile_flags() -> list[str]:
 
 
 def module_name(flags: list[str]) -> str:
-    h = hashlib.sha256()
-    for path in sorted(KERNEL_DIR.glob("*.[ch]*")):
-        h.update(path.name.encode() + path.read_bytes())
-    h.update(repr((flags, torch.__version__, sys.version_info[:2], platform.machine())).encode())
-    return f"pdserve_packed_gemm_{h.hexdigest()[:16]}"
+    return sources_module_name("pdserve_packed_gemm", KERNEL_DIR, flags)
 
 
 def _build_or_import() -> ModuleType:
     flags = packed_compile_flags()
-    name = module_name(flags)
-    directory = _cache_root() / name
-    if (directory / _OK_MARKER).exists():
-        return _import_built(name, directory)
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"C++ compiler {compiler!r} not found")
-    from torch.utils import cpp_extension  # slow import, only when a build is needed
-    directory.mkdir(parents=True, exist_ok=True)
-    log.info("building packed-weight GEMM kernels in %s (once per source version)", directory)
-    module = cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=flags,
-                                extra_ldflags=["-fopenmp"], build_directory=str(directory))
-    (directory / _OK_MARKER).write_text("ok\n")
-    return module
+    return build_or_import(module_name(flags), SOURCES, flags, "packed-weight GEMM kernels")
 
 
 @functools.lru_cache(maxsize=1)
