@@ -23,19 +23,23 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
                      logprobs: Optional[dict], finish_reason: Optional[str],
                      include_usage: bool) -> dict:
-    body = {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                         "finish_reason": finish_reason}]}
-    if include_usage:
-        body["usage"] = None
-    return body
+    return _chunk(rid, created, model, "text_completion", index, "text", text, logprobs,
+                  finish_reason, include_usage)
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
                logprobs: Optional[dict], finish_reason: Optional[str],
                include_usage: bool) -> dict:
-    body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+    return _chunk(rid, created, model, "chat.completion.chunk", index, "delta", delta,
+                  logprobs, finish_reason, include_usage)
+
+
+def _chunk(rid, created, model, obj: str, index: int, key: str, value, logprobs,
+           finish_reason, include_usage: bool) -> dict:
+    """One stream chunk; `key` is "text" (completions) or "delta" (chat). With
+    stream_options.include_usage every chunk but the last carries "usage": null."""
+    body = {"id": rid, "object": obj, "created": created, "model": model,
+            "choices": [{"index": index, key: value, "logprobs": logprobs,
                          "finish_reason": finish_reason}]}
     if include_usage:
         body["usage"] = None
