@@ -20,3 +20,8 @@ if ! command -v redis-server >/dev/null 2>&1; then
       || echo "warning: could not install redis-server" >&2
   fi
 fi
+# Build the native CPU kernels now (attention and packed GEMM; each cached in the venv per
+# source version), so no engine started later pays the JIT build inside its start-up deadline.
+.venv/bin/python -c "from pdserve.common.attention.cpu_native import load_cpu_kernels; \
+from pdserve.common.models.quant.cpu_native import load_packed_kernels; \
+load_cpu_kernels(); load_packed_kernels()" || echo "warning: native kernels not prebuilt" >&2
