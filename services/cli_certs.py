@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.services.common.certs import CertSpec, complete, make_certs, split_words
+from pdserve.services.common.kv_secrets import make_kv_secrets
 from pdserve.services.common.redis_auth import make_redis_auth
 from pdserve.services.common.tls import ROLES
 
@@ -29,6 +30,9 @@ def add_certs_subcommand(subparsers) -> None:
                    "redis.conf (requirepass) and redis-url (this URL with the password) in "
                    "--redis-auth-out; an existing pair is kept")
     p.add_argument("--redis-auth-out", default="", help="folder for those two files")
+    p.add_argument("--kv-secrets-out", default="", help="also make the KV store's secrets "
+                   "there: store-secret (master and nodes) and block-secret (engines and "
+                   "router); existing ones are kept")
     p.set_defaults(func=_run_certs)
 
 
@@ -46,4 +50,7 @@ def _run_certs(args: argparse.Namespace) -> int:
     if args.redis_url:
         make_redis_auth(args.redis_auth_out, args.redis_url)
         print(f"{args.redis_auth_out}: redis.conf, redis-url")
+    if args.kv_secrets_out:
+        made = make_kv_secrets(args.kv_secrets_out, group_readable=True)
+        print(f"{made.store}, {made.block}")
     return 0

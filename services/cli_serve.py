@@ -144,6 +144,10 @@ def _kv_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a saved block is safe from eviction")
     p.add_argument("--kv-load-timeout", type=float, default=10.0,
                    help="a KV load slower than this is given up and recomputed")
+    p.add_argument("--kv-block-secret-file", default="",
+                   help="file with the block secret every engine and the router share: "
+                        "keys and MACs of stored blocks (default: "
+                        "$PDSERVE_KV_BLOCK_SECRET_FILE; none: unauthenticated blocks)")
 
 
 def _registry_args(p: argparse.ArgumentParser) -> None:
@@ -214,7 +218,8 @@ def _run_engine(args) -> int:
         itl_target_ms=args.itl_target_ms,
         num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         kv_store=args.kv_store, kv_transport=args.kv_transport, kv_lease_s=args.kv_lease,
-        kv_load_timeout_s=args.kv_load_timeout, metrics_port=args.metrics_port,
+        kv_load_timeout_s=args.kv_load_timeout, kv_block_secret_file=args.kv_block_secret_file,
+        metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint, device=args.device,
         drain_timeout_s=args.drain_timeout,
         attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm, weights=args.weights,

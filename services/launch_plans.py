@@ -8,9 +8,11 @@ router being told. `static` passes the engines' addresses on the router's comman
 colocated: `--replicas N` unified engines, then the router.
 disagg: the KV store (master and one storage node, one process; its metadata in the same
 redis), `--prefill N` prefill and `--decode M` decode instances, then the router.
-Secrets: with `tls_dir` (from `pdserve certs`, or the fresh CA `up` makes) every engine and the
-router speak mutual TLS; Redis gets a password kept in `secret_dir` (a private folder), which
-reaches the services as `--flag @FILE` (services/common/arg_files.py), never as argv.
+Secrets: with `tls_dir` (from `pdserve certs`, or the fresh CA `up` makes) every engine, the
+router and the KV store master speak mutual TLS; Redis gets a password kept in `secret_dir` (a
+private folder), which reaches the services as `--flag @FILE` (services/common/arg_files.py),
+never as argv; disagg also makes the KV store's two secrets there (store-secret for the
+master and node, block-secret for the engines and router: services/common/kv_secrets.py).
 Cores: explicit `--cpus` / `--prefill-cpus` / `--decode-cpus` pin every instance of that kind
 there; otherwise, when the machine has at least one core per engine, each engine gets its own
 core (prefill instances first), and with fewer cores none is pinned (the map says so).
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from pdserve.services.common.kv_secrets import KVSecretFiles, make_kv_secrets
 from pdserve.services.common.tls_args import tls_argv
 from pdserve.services.launcher import (Child, Step, engine_kv_budget, engine_serving, free_port,
                                        http_ok)
@@ -71,18 +74,19 @@ def plan_stack(args, log_dir: Path, tls_dir: str = "", secret_dir: str = "") -> 
                                             else "")))
     if args.discovery != "registry":
         registry = ""
-    store = ""
+    store, kv_secrets = "", None
     if args.mode == "disagg":
         store = f"{args.host}:{args.kv_store_port or free_port(args.host)}"
-        steps.append(_kvstore(args, log_dir, store, redis_urls[0], tls_dir))
+        kv_secrets = make_kv_secrets(Path(secret_dir) / "kv")
+        steps.append(_kvstore(args, log_dir, store, redis_urls[0], tls_dir, kv_secrets.store))
         rows.append(("kvstore", store, "-", f"KV store master + node, {args.kv_capacity_mib} MiB"))
     addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
     for e in engines:
-        step, addr = _engine(args, log_dir, e, store, registry, tls_dir)
+        step, addr = _engine(args, log_dir, e, store, registry, tls_dir, kv_secrets)
         steps.append(step)
         addrs["prefill" if e.role == "prefill" else "decode"].append(addr)
         rows.append((e.name, addr, e.cpus or "any", f"{e.role}, {e.threads} torch thread(s)"))
-    steps.append(_router(args, log_dir, addrs, store, registry, tls_dir))
+    steps.append(_router(args, log_dir, addrs, store, registry, tls_dir, kv_secrets))
     rows.append(("router", f"{args.host}:{args.port}", "any",
                  f"HTTP; gRPC :{args.grpc_port}; discovery {args.discovery}"))
     return Plan(steps, _layout(rows, engines), _banner(args, addrs, store, tls_dir))
@@ -126,16 +130,19 @@ def _redis(args, log_dir: Path, port: int, auth: Path) -> tuple[Step, dict[int, 
     return Step(child, lambda: redis_ready(args.host, port, password)), urls
 
 
-def _kvstore(args, log_dir: Path, store: str, redis_url_file: str, tls_dir: str) -> Step:
+def _kvstore(args, log_dir: Path, store: str, redis_url_file: str, tls_dir: str,
+             store_secret: str) -> Step:
     child = Child("kvstore", SERVE + [
         "kvstore", "--host", args.host, "--port", store.rsplit(":", 1)[1],
         "--redis-url", f"@{redis_url_file}",  # read from the file: not in argv
-        "--capacity-mib", str(args.kv_capacity_mib), "--transport", args.kv_transport], log_dir)
-    return Step(child, lambda: store_ready(store))
+        "--store-secret-file", store_secret,
+        "--capacity-mib", str(args.kv_capacity_mib), "--transport", args.kv_transport,
+        *tls_argv(tls_dir)], log_dir)
+    return Step(child, lambda: store_ready(store, tls_dir))
 
 
 def _engine(args, log_dir: Path, e: _Engine, store: str, registry: str,
-            tls_dir: str) -> tuple[Step, str]:
+            tls_dir: str, kv_secrets: Optional[KVSecretFiles]) -> tuple[Step, str]:
     from pdserve.services.cli_serve import engine_argv
 
     single = args.mode == "colocated" and args.replicas == 1
@@ -147,7 +154,8 @@ def _engine(args, log_dir: Path, e: _Engine, store: str, registry: str,
                      "--model", args.model, *engine_argv(args, cpus=e.cpus, threads=e.threads),
                      *tls_argv(tls_dir)]
     if store:
-        words += ["--kv-store", store, "--kv-transport", args.kv_transport]
+        words += ["--kv-store", store, "--kv-transport", args.kv_transport,
+                  "--kv-block-secret-file", kv_secrets.block]
     if registry:
         words += ["--registry", registry]
     if e.cpus and shutil.which("taskset"):  # pinned from exec on, before any thread starts
@@ -158,7 +166,7 @@ def _engine(args, log_dir: Path, e: _Engine, store: str, registry: str,
 
 
 def _router(args, log_dir: Path, addrs: dict, store: str, registry: str,
-            tls_dir: str) -> Step:
+            tls_dir: str, kv_secrets: Optional[KVSecretFiles]) -> Step:
     words = SERVE + ["router", "--model", args.model, "--host", args.host,
                      "--port", str(args.port), "--grpc-port", str(args.grpc_port)]
     if registry:
@@ -168,7 +176,8 @@ def _router(args, log_dir: Path, addrs: dict, store: str, registry: str,
         if addrs["prefill"]:
             words += ["--prefill-backends", ",".join(addrs["prefill"])]
     if store:
-        words += ["--kv-store", store, "--min-prefill-tokens", str(args.min_prefill_tokens)]
+        words += ["--kv-store", store, "--min-prefill-tokens", str(args.min_prefill_tokens),
+                  "--kv-block-secret-file", kv_secrets.block]
     words += tls_argv(tls_dir) + list(args.router_arg or ())
     child = Child("router", words, log_dir)
     return Step(child, lambda: http_ok(f"http://{args.host}:{args.port}/health"))
@@ -209,14 +218,17 @@ def redis_ready(host: str, port: int, password: str = "") -> bool:
         return False
 
 
-def store_ready(master_addr: str) -> bool:
-    """The master answers and knows at least one storage node."""
+def store_ready(master_addr: str, tls_dir: str = "") -> bool:
+    """The master answers and knows at least one storage node (asked with the router's
+    certificate when `tls_dir` is set: Stats is for the store's callers)."""
     import grpc
 
     from pdserve.common.rpc import kvstore_pb2 as pb
     from pdserve.common.rpc import kvstore_pb2_grpc as pb_grpc
+    from pdserve.services.common.tls import TlsConfig, open_channel
 
-    with grpc.insecure_channel(master_addr) as ch:
+    tls = TlsConfig.from_dir(tls_dir, "router") if tls_dir else TlsConfig()
+    with open_channel(master_addr, tls, "kvstore-master", aio=False) as ch:
         try:
             return len(pb_grpc.KVStoreMasterStub(ch).Stats(pb.StatsRequest(),
                                                            timeout=1).nodes) > 0

@@ -26,7 +26,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import grpc
 
@@ -44,6 +44,8 @@ from pdserve.connector.transport import (TRANSPORT_KINDS, RemoteError, Transport
 from pdserve.connector.transport.base import Buffer, as_bytes_view
 
 log = logging.getLogger(__name__)
+
+ChannelFactory = Callable[[str], grpc.aio.Channel]  # master address -> channel (TLS or not)
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
                 grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -76,26 +78,30 @@ class KVStoreClient:
     def __init__(self, master_addr: str, transport: Transport | str | None = None, *,
                  config: StoreClientConfig = StoreClientConfig(),
                  block_keys: Optional[BlockKeys] = None,
-                 store_keys: Optional[StoreKeys] = None):
+                 store_keys: Optional[StoreKeys] = None,
+                 open_channel: ChannelFactory = grpc.aio.insecure_channel):
         """`transport` overrides config.transport (a kind, or a Transport object);
         `block_keys` map every key (see the module doc); `store_keys` are needed only for
-        admin calls (remove) on a master that has a store secret."""
+        admin calls (remove) on a master that has a store secret; `open_channel(address)`
+        makes the channel to the master (the services pass one with mutual TLS)."""
         self.config = config
         self.master_addr = master_addr
         self._transport_arg = transport if transport is not None else config.transport
         self._transport: Optional[Transport] = None
         self._pool: Optional[ConnectionPool] = None
-        self._channel = grpc.aio.insecure_channel(master_addr)
+        self._channel = open_channel(master_addr)
         self._stub = pb_grpc.KVStoreMasterStub(self._channel)
         self._block_keys = block_keys
         self._store_keys = store_keys
         self._revokes: set[asyncio.Task] = set()  # revokes of puts cancelled by their caller
 
     @classmethod
-    def for_engines(cls, master_addr: str, config: StoreClientConfig) -> "KVStoreClient":
+    def for_engines(cls, master_addr: str, config: StoreClientConfig,
+                    open_channel: ChannelFactory = grpc.aio.insecure_channel) -> "KVStoreClient":
         """A client with the block keys from config.block_secret_file (or its env var)."""
         return cls(master_addr, config=config,
-                   block_keys=load_block_keys(config.block_secret_file))
+                   block_keys=load_block_keys(config.block_secret_file),
+                   open_channel=open_channel)
 
     @property
     def mac_key(self) -> bytes:

@@ -28,6 +28,7 @@ from pdserve.services.common.grpc_standard import (StandardHealth, add_standard_
                                                     service_names)
 from pdserve.services.common.signals import wait_for_signal
 from pdserve.services.common.tls import add_port
+from pdserve.services.common.tls_roles import ENGINE_CALLERS, interceptors_for
 from pdserve.common.engine.step_budget import StepBudgetConfig, StepBudgetController
 from pdserve.common.telemetry.engine_metrics import EngineMetrics
 from pdserve.common.telemetry.tracing import Tracing, setup_tracing
@@ -99,7 +100,8 @@ async def start_engine_server(cfg: EngineServiceConfig, core,
     tel = EngineTelemetry(tracer=tracing.tracer if tracing is not None else None,
                           metrics=metrics, kv_store=kv is not None)
     server = grpc.aio.server(options=grpc_limits(cfg.grpc_max_message_bytes),
-                             maximum_concurrent_rpcs=cfg.grpc_max_concurrent_rpcs)
+                             maximum_concurrent_rpcs=cfg.grpc_max_concurrent_rpcs,
+                             interceptors=interceptors_for(cfg.tls.enabled, ENGINE_CALLERS))
     if cfg.role in ("unified", "prefill"):
         pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(engine, info, tel), server)
     if cfg.role in ("unified", "decode"):

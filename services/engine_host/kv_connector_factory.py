@@ -16,6 +16,7 @@ from pdserve.connector.codec import BlockCodec
 from pdserve.connector.io_thread import IOThread
 from pdserve.connector.kvstore.client import KVStoreClient, StoreClientConfig
 from pdserve.connector.store_connector import ConnectorConfig, StoreKVConnector
+from pdserve.services.common.tls import TlsConfig, open_channel
 
 # The engine service's role -> what its connector does with the store.
 ROLE_TO_KV = {"prefill": "producer", "decode": "consumer", "unified": "both"}
@@ -30,6 +31,8 @@ class KVStoreSettings:
     load_timeout_s: float = 10.0
     lookup_timeout_s: float = 2.0
     max_inflight: int = 8
+    block_secret_file: str = ""  # keys/MACs of stored blocks; "" -> $PDSERVE_KV_BLOCK_SECRET_FILE
+    tls: TlsConfig = TlsConfig()  # this engine's certificate for the master's gRPC
 
     def __post_init__(self):
         host, sep, port = self.master_addr.rpartition(":")
@@ -46,10 +49,14 @@ class KVStoreSettings:
                                max_inflight=self.max_inflight)
 
     def store_client_config(self) -> StoreClientConfig:
-        """The store client's deadlines; its block secret comes from the environment
-        ($PDSERVE_KV_BLOCK_SECRET_FILE, see docs/kvstore-security.md)."""
+        """The store client's deadlines and block secret (docs/kvstore-security.md)."""
         return StoreClientConfig(transport=self.transport,
-                                 lookup_timeout_s=self.lookup_timeout_s)
+                                 lookup_timeout_s=self.lookup_timeout_s,
+                                 block_secret_file=self.block_secret_file)
+
+    def open_master_channel(self, address: str):
+        """The channel to the master: mutual TLS with this engine's certificate when on."""
+        return open_channel(address, self.tls, "kvstore-master")
 
 
 class ServiceKVConnector(StoreKVConnector):
@@ -70,7 +77,8 @@ def connector_factory(settings: KVStoreSettings) -> Callable:
 
         async def make_client():
             return KVStoreClient.for_engines(settings.master_addr,
-                                             settings.store_client_config())
+                                             settings.store_client_config(),
+                                             settings.open_master_channel)
 
         try:
             client = io.run(make_client(), 30.0)

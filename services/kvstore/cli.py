@@ -12,6 +12,8 @@ import logging
 import signal
 import sys
 
+from pdserve.services.common.tls_args import add_tls_args, tls_from_args
+
 
 def add_kvstore_subcommands(subparsers) -> None:
     master = subparsers.add_parser("kvstore-master", help="KV store master (metadata in Redis)")
@@ -24,6 +26,8 @@ def add_kvstore_subcommands(subparsers) -> None:
     _master_args(both)
     _node_args(both, master_flag=False)
     both.set_defaults(func=_run_both)
+    for p in (master, node, both):
+        add_tls_args(p)
 
 
 def _master_args(p: argparse.ArgumentParser) -> None:
@@ -81,7 +85,16 @@ def _master_cfg(args):
                         node_timeout_s=args.node_timeout, put_timeout_s=args.put_timeout,
                         read_lease_s=args.read_lease, max_lease_s=args.max_lease,
                         max_node_capacity=args.max_node_capacity_gib << 30,
-                        store_secret_file=args.store_secret_file)
+                        store_secret_file=args.store_secret_file,
+                        tls=tls_from_args(args, "kvstore-master"))
+
+
+def _node_tls(args):
+    """A node's certificate: its own role's from --tls-dir; in `kvstore` (master and node in
+    one process) with single files, the master's (the master accepts its own role)."""
+    if args.tls_dir or args.service != "kvstore":
+        return tls_from_args(args, "kvstore-node")
+    return tls_from_args(args, "kvstore-master")
 
 
 def _node_cfg(args, master_addr: str):
@@ -90,7 +103,7 @@ def _node_cfg(args, master_addr: str):
     return NodeConfig(master_addr=master_addr, host=args.host, port=args.node_port,
                       capacity=args.capacity_mib << 20, node_id=args.node_id,
                       transport=args.transport, store_secret_file=args.store_secret_file,
-                      grant_skew_s=args.grant_skew)
+                      grant_skew_s=args.grant_skew, tls=_node_tls(args))
 
 
 async def _until_signal() -> None:

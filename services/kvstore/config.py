@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
+from pdserve.services.common.tls import TlsConfig
+
 GiB = 1 << 30
 
 
@@ -34,6 +36,7 @@ class MasterConfig:
     # with neither the store runs unauthenticated (a warning says so).
     store_secret_file: str = ""
     token_max_age_s: float = 60.0  # a registration/admin token older than this is refused
+    tls: TlsConfig = TlsConfig()  # mutual TLS on the master's gRPC (plaintext when empty)
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -84,6 +87,7 @@ class NodeConfig:
     transport: str = "auto"  # auto | ucx | tcp
     store_secret_file: str = ""  # as MasterConfig's; must hold the master's secret
     grant_skew_s: float = 2.0  # tolerated clock difference with the master on capabilities
+    tls: TlsConfig = TlsConfig()  # the node's certificate for its channel to the master
 
     def __post_init__(self):
         if self.capacity <= 0:

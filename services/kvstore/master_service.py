@@ -24,6 +24,8 @@ from pdserve.services.common.grpc_standard import (StandardHealth, add_standard_
 from pdserve.connector.kvstore import convert
 from pdserve.connector.kvstore.auth import (AuthError, StoreKeys, check_token,
                                            load_store_keys, register_body, remove_body)
+from pdserve.services.common.tls import add_port
+from pdserve.services.common.tls_roles import MASTER_CALLERS, interceptors_for
 from pdserve.services.kvstore import limits
 from pdserve.services.kvstore.config import MasterConfig, redact_url
 from pdserve.services.kvstore.master import MasterCore, NodeConflict
@@ -176,16 +178,18 @@ async def start_master(cfg: MasterConfig) -> RunningMaster:
     redis = aioredis.Redis.from_url(cfg.resolved_redis_url())
     core = MasterCore(cfg, RedisMetaStore(redis, cfg.namespace), keys=keys)
     await core.start()
-    server = grpc.aio.server(maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
+    server = grpc.aio.server(maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
+                             interceptors=interceptors_for(cfg.tls.enabled, MASTER_CALLERS))
     pb_grpc.add_KVStoreMasterServicer_to_server(MasterServicer(core, cfg, keys), server)
     health = add_standard_services(server, service_names((pb.DESCRIPTOR, "KVStoreMaster")),
                                    lambda: True)  # up while the process is; stop() ends it
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    port = add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls)
     if port == 0:
         await redis.aclose()
         raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
     await server.start()
     sweeper = asyncio.get_running_loop().create_task(_sweep_forever(core, cfg.sweep_interval_s))
-    log.info("kvstore master on %s:%d (redis %s)", cfg.host, port,
+    log.info("kvstore master on %s:%d, %s (redis %s)", cfg.host, port,
+             "mutual TLS" if cfg.tls.enabled else "plaintext",
              redact_url(cfg.resolved_redis_url()))
     return RunningMaster(server, core, port, redis, sweeper, health)

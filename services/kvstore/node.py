@@ -27,6 +27,7 @@ from pdserve.connector.kvstore.auth import (StoreKeys, load_store_keys, register
                                            sign_token)
 from pdserve.connector.kvstore.records import NodeInfo
 from pdserve.connector.transport import Listener, make_transport
+from pdserve.services.common.tls import open_channel
 from pdserve.services.kvstore.config import NodeConfig
 from pdserve.services.kvstore.segment import GrantCheck, Segment, SegmentHandler
 
@@ -80,7 +81,7 @@ async def start_node(cfg: NodeConfig) -> RunningNode:
     node_id = cfg.node_id or listener.address
     if keys is not None:  # before registering: the master grants nothing on us before that
         handler.grants = GrantCheck(keys.grant, node_id, cfg.grant_skew_s)
-    channel = grpc.aio.insecure_channel(cfg.master_addr)
+    channel = open_channel(cfg.master_addr, cfg.tls, "kvstore-master")
     stub = pb_grpc.KVStoreMasterStub(channel)
     reg = NodeInfo(node_id, listener.address, cfg.capacity, uuid.uuid4().hex)
     try:

@@ -25,7 +25,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenant-secret-file", default=RouterConfig.tenant_secret_file,
                    help="the secret that keys tenants' cache salts; routers sharing a cache "
                         "need the same one (default: random per start)")
-    add_tls_args(p)  # the gRPC API and the channels to the engines
+    p.add_argument("--kv-block-secret-file", default=RouterConfig.kv_block_secret_file,
+                   help="the engines' block secret (the store keys prompt blocks by it; "
+                        "docs/kvstore-security.md)")
+    add_tls_args(p)  # the gRPC API and the channels to the engines and the store master
     r = p.add_argument_group("routing")
     r.add_argument("--decode-policy", choices=POLICIES, default="kv_aware")
     r.add_argument("--prefill-policy", choices=POLICIES, default="kv_aware")
@@ -115,6 +118,7 @@ def router_config(args, addresses) -> RouterConfig:
         backends=addresses(args.backends), host=args.host, port=args.port,
         grpc_port=args.grpc_port, health_interval_s=args.health_interval, max_n=args.max_n,
         prefill_backends=addresses(args.prefill_backends), kv_store=args.kv_store,
+        kv_block_secret_file=args.kv_block_secret_file,
         min_prefill_tokens=args.min_prefill_tokens, prefill_timeout_s=args.prefill_timeout,
         max_prefill_queue_tokens=args.max_prefill_queue_tokens, registry_url=args.registry,
         api_key_file=args.api_key_file, tenant_secret_file=args.tenant_secret_file,

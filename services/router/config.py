@@ -34,6 +34,7 @@ class RouterConfig:
     min_prefill_tokens: int = 0  # fewer uncached prompt tokens -> decode computes them itself
     prefill_timeout_s: float = 60.0  # a slower Prefill is given up (and retried elsewhere)
     kv_lookup_timeout_s: float = 1.0
+    kv_block_secret_file: str = ""  # the engines' block secret: the store's keys of prompt blocks
     # Conditional disaggregation: the least-queued prefill instance has more prompt tokens
     # queued than this -> decode computes the prompt itself. 0: no limit.
     max_prefill_queue_tokens: int = 0

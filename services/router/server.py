@@ -151,7 +151,8 @@ def _disagg_router(cfg: RouterConfig, state: RouterState, metrics: RouterMetrics
     from pdserve.services.router.routing.kv_lookup import StoreIndex
 
     prefill = _pool(cfg, metrics, cfg.prefill_backends, "prefill")
-    index = StoreIndex(cfg.kv_store, metrics, cfg.kv_lookup_timeout_s)
+    index = StoreIndex(cfg.kv_store, metrics, cfg.kv_lookup_timeout_s,
+                       block_secret_file=cfg.kv_block_secret_file, tls=cfg.tls)
     return DisaggRouter(cfg, prefill, state.decode_target, index)
 
 

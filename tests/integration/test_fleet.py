@@ -171,6 +171,18 @@ def whole_or_error(url: str, i: int):
     return r.status_code, r.json()
 
 
+def assert_store_has_its_secret(master: str) -> None:
+    """`up` gives the store its secret by default: a node registration without the token it
+    signs is refused."""
+    from pdserve.common.rpc import kvstore_pb2, kvstore_pb2_grpc
+
+    rogue = kvstore_pb2.RegisterNodeRequest(node_id="rogue", address="127.0.0.1:9",
+                                            capacity=1 << 30, incarnation="x")
+    with grpc.insecure_channel(master) as ch, pytest.raises(grpc.RpcError) as info:
+        kvstore_pb2_grpc.KVStoreMasterStub(ch).RegisterNode(rogue, timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_store_and_prefill_deaths_never_look_like_answers(tmp_path, reference):
     up = Up(tmp_path, "--mode", "disagg", "--prefill", "2", "--decode", "1",
             "--kv-transport", "tcp", "--kv-capacity-mib", "32")
@@ -181,6 +193,7 @@ def test_store_and_prefill_deaths_never_look_like_answers(tmp_path, reference):
 
         tok = Tokenizer.tiny()
         texts = [tok.decode(r) for r in reference]
+        assert_store_has_its_secret(up.addr["kvstore"])
 
         def kill():
             os.kill(up.pid_of("kvstore"), signal.SIGKILL)

@@ -123,3 +123,21 @@ def test_bench_grpc_client_speaks_mutual_tls(stack):
     assert good.error is None and good.usage_completion == 3
     bad = asyncio.run(one(""))
     assert bad.error is not None and "UNAVAILABLE" in bad.error and not bad.arrivals
+
+
+def test_engine_serves_generation_to_the_router_role_only(stack):
+    """Role checks: an API client's certificate (right CA, wrong role) may probe Health but not
+    run a request on an engine; the router's certificate may."""
+    req = epb.DecodeRequest(request_id="role-check", prompt_token_ids=[1, 2, 3],
+                            params=epb.SamplingParams(max_tokens=2, temperature=0,
+                                                      ignore_eos=True))
+    client = TlsConfig.from_dir(str(stack["certs"]), "client")
+    with open_channel(stack["engine"], client, "decode", aio=False) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            list(epb_grpc.DecodeServiceStub(ch).Decode(req, timeout=30))
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "router" in info.value.details()
+    router = TlsConfig.from_dir(str(stack["certs"]), "router")
+    with open_channel(stack["engine"], router, "decode", aio=False) as ch:
+        out = list(epb_grpc.DecodeServiceStub(ch).Decode(req, timeout=30))
+    assert sum(len(m.token_ids) for m in out) == 2
