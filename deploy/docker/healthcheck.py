@@ -58,10 +58,13 @@ def _tls_of(args, role: str):
     return tls_from_args(args, role) if hasattr(args, "tls_dir") else TlsConfig()
 
 
-def _client_tls(tls_dir: str):
+def _client_tls(tls_dir: str, role: str = "client"):
+    """The certificate to ask with: the client's for engines (Health is open to every
+    certificate of the CA); the store's own role for the master (Stats is for the store's
+    callers, services/common/tls_roles.py)."""
     from pdserve.services.common.tls import TlsConfig
 
-    return TlsConfig.from_dir(tls_dir, "client") if tls_dir else TlsConfig()
+    return TlsConfig.from_dir(tls_dir, role) if tls_dir else TlsConfig()
 
 
 def check_engine(address: str, role: str = "unified", tls=None) -> tuple[bool, str]:
@@ -198,7 +201,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     node.add_argument("node_id")
     for mode in (master, node):
         mode.add_argument("--tls-dir", default="", help="`pdserve certs` folder: ask over "
-                          "mutual TLS with its client certificate")
+                          "mutual TLS with the store's own certificate")
     return parser
 
 
@@ -210,9 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.mode == "engine":
             ok, why = check_engine(args.address, args.role, _client_tls(args.tls_dir))
         elif args.mode == "kvstore-master":
-            ok, why = check_kvstore_master(args.address, _client_tls(args.tls_dir))
+            ok, why = check_kvstore_master(args.address,
+                                           _client_tls(args.tls_dir, "kvstore-master"))
         elif args.mode == "kvstore-node":
-            ok, why = check_kvstore_node(args.master, args.node_id, _client_tls(args.tls_dir))
+            ok, why = check_kvstore_node(args.master, args.node_id,
+                                         _client_tls(args.tls_dir, "kvstore-node"))
         else:
             ok, why = check_process(args.pid)
     except (LookupError, ValueError, OSError) as exc:

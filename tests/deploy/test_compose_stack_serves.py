@@ -193,8 +193,14 @@ def test_compose_stack_serves_a_chat_completion(tmp_path, redis_available):
             port = env["PREFILL_PORT" if name == "prefill" else "DECODE_PORT"]
             assert _finished(f"127.0.0.1:{port}", service, tls_dir) >= 1, name
         hc = _compose_module().healthcheck_parser()
-        stats = hc._master_stats(f"127.0.0.1:{env['KVSTORE_PORT']}")
+        from pdserve.services.common.tls import TlsConfig
+
+        # the master is on mutual TLS and serves its own role's certificate
+        stats = hc._master_stats(f"127.0.0.1:{env['KVSTORE_PORT']}",
+                                 TlsConfig.from_dir(str(tls_dir), "kvstore-master"))
         assert stats.objects >= 1 and len(stats.nodes) == 1  # the prompt's blocks, stored
+        kv_log = (tmp_path / "kvstore.log").read_text()
+        assert "mutual TLS" in kv_log and "no store secret" not in kv_log
 
         # The image's HEALTHCHECK (no arguments) finds each service's port from its own
         # command line; run it against each process here.
@@ -204,12 +210,14 @@ def test_compose_stack_serves_a_chat_completion(tmp_path, redis_available):
                                  timeout=30, cwd=ROOT)
             assert res.returncode == 0, (name, res.stdout, res.stderr)
         res = subprocess.run([sys.executable, str(HEALTHCHECK), "kvstore-node",
-                              f"127.0.0.1:{env['KVSTORE_PORT']}", "kvstore"],
+                              f"127.0.0.1:{env['KVSTORE_PORT']}", "kvstore",
+                              "--tls-dir", str(tls_dir)],
                              capture_output=True, text=True, timeout=30, cwd=ROOT)
         assert res.returncode == 0, res.stderr  # the node the compose command names
         # ... and it says "unhealthy" for a port nobody serves, or a node nobody registered.
         res = subprocess.run([sys.executable, str(HEALTHCHECK), "kvstore-node",
-                              f"127.0.0.1:{env['KVSTORE_PORT']}", "no-such-node"],
+                              f"127.0.0.1:{env['KVSTORE_PORT']}", "no-such-node",
+                              "--tls-dir", str(tls_dir)],
                              capture_output=True, timeout=30)
         assert res.returncode == 1
         res = subprocess.run([sys.executable, str(HEALTHCHECK), "engine",

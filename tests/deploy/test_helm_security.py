@@ -267,3 +267,30 @@ def test_no_secret_in_argv_or_environment(chart):
     args = parse(expanded_args(docs, master))
     assert args.redis_url == secrets[FULL]["stringData"]["redis-url"]
     assert args.redis_url == f"redis://:{password}@{FULL}-redis:6379/0"
+
+
+def test_kv_store_secrets_and_tls_are_on_by_default(chart):
+    """The store's two secrets are on by default, each pod mounting only the one it needs; the
+    master and nodes serve on mutual TLS; a given Secret replaces the generated one."""
+    docs, _ = render(chart, SCENARIOS["default"])
+    kv = by_kind(docs, "Secret")[f"{FULL}-kv"]["stringData"]
+    assert len(kv["store-secret"]) >= 32 and len(kv["block-secret"]) >= 32
+    assert kv["store-secret"] != kv["block-secret"]
+    wants = {"kvstore-master": ("store-secret", "--store-secret-file"),
+             "kvstore-node": ("store-secret", "--store-secret-file"),
+             "prefill": ("block-secret", "--kv-block-secret-file"),
+             "decode": ("block-secret", "--kv-block-secret-file"),
+             "router": ("block-secret", "--kv-block-secret-file")}
+    specs = pod_specs(docs)
+    for comp, (key, flag) in wants.items():
+        spec, c = specs[comp], specs[comp]["containers"][0]
+        volume = next(v for v in spec["volumes"] if v["name"] == "kv-secret")["secret"]
+        assert volume["secretName"] == f"{FULL}-kv" and volume["items"] == [
+            {"key": key, "path": key}], comp
+        assert c["args"][c["args"].index(flag) + 1] == f"/etc/pdserve/kv/{key}", comp
+        assert "--tls-dir" in c["args"], comp
+    given, _ = render(chart, {**SCENARIOS["default"], "kvSecrets": {"existingSecret": "mine"}})
+    assert f"{FULL}-kv" not in by_kind(given, "Secret")
+    master = pod_specs(given)["kvstore-master"]
+    assert next(v for v in master["volumes"]
+                if v["name"] == "kv-secret")["secret"]["secretName"] == "mine"

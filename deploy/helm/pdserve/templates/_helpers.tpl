@@ -211,3 +211,38 @@ or a new random one. */}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The KV store's two secrets (services/common/kv_secrets.py): store-secret for the master
+and the storage nodes (registration, admin calls, read/write capabilities), block-secret for
+the engines and the router (block keys and MACs). Each pod mounts only the one it needs. */}}
+{{- define "pdserve.kvSecretName" -}}
+{{- default (printf "%s-kv" (include "pdserve.fullname" .)) .Values.kvSecrets.existingSecret -}}
+{{- end -}}
+
+{{/* A secret's value: the one the release already has (kept on upgrade), else new. (list $ key) */}}
+{{- define "pdserve.kvSecretValue" -}}
+{{- $ctx := index . 0 -}}
+{{- $key := index . 1 -}}
+{{- $old := lookup "v1" "Secret" $ctx.Release.Namespace (include "pdserve.kvSecretName" $ctx) -}}
+{{- if and $old $old.data (hasKey $old.data $key) -}}
+{{- index $old.data $key | b64dec -}}
+{{- else -}}
+{{- randAlphaNum 64 -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.kvSecretVolume" -}}
+{{- $ctx := index . 0 -}}
+- name: kv-secret
+  secret:
+    secretName: {{ include "pdserve.kvSecretName" $ctx }}
+    defaultMode: 0440
+    items:
+      - {key: {{ index . 1 }}, path: {{ index . 1 }}}
+{{- end -}}
+
+{{- define "pdserve.kvSecretMount" -}}
+- name: kv-secret
+  mountPath: /etc/pdserve/kv
+  readOnly: true
+{{- end -}}
