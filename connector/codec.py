@@ -101,6 +101,8 @@ class BlockCodec:
             raise BlockCodecError(f"block of {len(data)} bytes is shorter than its header")
         (magic, version, dtype, bs, layers, kvh, d, fp, got_key, n,
          mac) = _HEADER.unpack(bytes(data[:HEADER_SIZE]))  # the padding is not returned
+        if data[HEADER_SIZE - 1] != 0:  # ... nor covered by the MAC: it must be as written
+            raise BlockCodecError("block rejected: non-zero header padding")
         expected = (MAGIC, FORMAT_VERSION, _DTYPES[self.dtype], self.block_size,
                     self.num_layers, self.num_kv_heads, self.head_dim,
                     bytes.fromhex(self.fingerprint), key, self.payload_nbytes)
