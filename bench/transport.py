@@ -9,9 +9,12 @@ output is one JSON object (see `_summary`).
 Two contenders are the storage node's real path with the store's security on. `tcp+cap`: the
 server is a SegmentHandler that checks an HMAC capability on every request before landing the
 payload; the client signs a capability per request (as the master does per replica).
-`tcp+cap+mac` also computes each block's HMAC-SHA256 MAC, as the producer does per block: in
-a worker thread (hashlib drops the GIL), the next block's MAC while this one is sent, which is
-how the connector pipelines it (a MAC must precede its block's transfer: it is in the header).
+`tcp+cap+mac` also computes each block's MAC as the producer does (BlockCodec.header: Poly1305
+under a one-time key derived from a fresh nonce, connector/codec.py): in a worker thread
+(cryptography drops the GIL), the next block's MAC while this one is sent, which is how a
+producer can pipeline it (a MAC must precede its block's transfer: it is in the header).
+`tcp+cap+hmac` is the same with the previous construction, HMAC-SHA256 over the payload, for
+comparison.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import numpy as np
 
 MiB = 1 << 20
 _LEN = struct.Struct("!Q")
-CONTENDERS = ("socket", "tcp", "tcp+cap", "tcp+cap+mac", "ucx")
+CONTENDERS = ("socket", "tcp", "tcp+cap", "tcp+cap+mac", "tcp+cap+hmac", "ucx")
 _GRANT_KEY = b"bench-grant-key-0123456789abcdef"
 _MAC_KEY = b"bench-block-mac-0123456789abcdef"
 
@@ -172,7 +175,7 @@ async def _transport_client(kind: str, port: int, args, sizes) -> dict:
         await conn.request(b"put", payload)
 
     if kind.startswith("tcp+cap"):
-        send = _secured_send(conn, kind.endswith("+mac"))
+        send = _secured_send(conn, kind.rpartition("+")[2])
     try:
         return await _measure(send, sizes, args.bytes_per_rep_mib * MiB, args.reps,
                               args.rtt_iters)
@@ -180,21 +183,18 @@ async def _transport_client(kind: str, port: int, args, sizes) -> dict:
         await conn.close()
 
 
-def _secured_send(conn, with_mac: bool):
-    import hashlib
-    import hmac
-
+def _secured_send(conn, mac_kind: str):
+    """A send that signs a capability per request and, for mac_kind "mac" or "hmac", MACs
+    each block (pipelined: the next block's MAC runs in a worker thread during this send)."""
     from pdserve.connector.kvstore.auth import sign_capability
     from pdserve.connector.kvstore.node_protocol import WRITE, NodeOp
 
     loop = asyncio.get_running_loop()
+    mac = {"mac": _codec_mac, "hmac": _hmac_sha256}.get(mac_kind)
     pending = []  # the MAC of the block to send next, computed while this one is sent
 
-    def mac(payload):
-        return hmac.new(_MAC_KEY, payload, hashlib.sha256).digest()
-
     async def send(payload: memoryview) -> None:
-        if with_mac:
+        if mac is not None:
             if pending:
                 await pending.pop()
             else:
@@ -203,6 +203,21 @@ def _secured_send(conn, with_mac: bool):
         cap = sign_capability(_GRANT_KEY, WRITE, "bench", 0, len(payload), time.time() + 60)
         await conn.request(NodeOp(WRITE, 0, len(payload), cap).encode(), payload)
     return send
+
+
+def _codec_mac(payload: memoryview) -> bytes:
+    """The block header the producer writes: its Poly1305 MAC over header and payload."""
+    from pdserve.connector.codec import BlockCodec
+
+    codec = BlockCodec("0f" * 32, 1, 1, 1, 1, mac_key=_MAC_KEY)  # geometry is not checked here
+    return codec.header(b"k" * 32, payload)
+
+
+def _hmac_sha256(payload: memoryview) -> bytes:
+    import hashlib
+    import hmac
+
+    return hmac.new(_MAC_KEY, payload, hashlib.sha256).digest()
 
 
 def _run_one(kind: str, args, sizes) -> dict:

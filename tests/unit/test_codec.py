@@ -47,3 +47,26 @@ def test_wrong_key_corruption_and_truncation_are_rejected():
         c.decode(b"k" * 32, memoryview(bad))
     with pytest.raises(BlockCodecError):
         c.decode(b"k" * 32, data[:100])
+
+
+def test_each_encoding_draws_a_fresh_nonce_and_a_mac_is_bound_to_its_nonce():
+    """The one-time Poly1305 key comes from the nonce: the same block encoded twice gets two
+    nonces (a repeated one-time key would be forgeable), and a tag moved under another
+    nonce does not verify."""
+    from pdserve.connector.codec import NONCE_BYTES
+    c = codec(mac_key=b"s" * 32)
+    block = torch.randn(c.payload_shape)
+    a = memoryview(c.encode_into(b"k" * 32, block, bytearray(c.nbytes)))
+    b = bytearray(c.encode_into(b"k" * 32, block, bytearray(c.nbytes)))
+    mac_at = HEADER_SIZE - 1 - 32  # the MAC field sits just before the padding byte
+    assert bytes(a[mac_at:mac_at + NONCE_BYTES]) != bytes(b[mac_at:mac_at + NONCE_BYTES])
+    assert torch.equal(c.decode(b"k" * 32, a), c.decode(b"k" * 32, memoryview(b)))
+    b[mac_at:mac_at + NONCE_BYTES] = a[mac_at:mac_at + NONCE_BYTES]
+    with pytest.raises(BlockCodecError, match="MAC"):
+        c.decode(b"k" * 32, memoryview(b))
+
+
+def test_a_block_made_under_another_mac_key_is_rejected():
+    block, data = encoded(codec(mac_key=b"a" * 32))
+    with pytest.raises(BlockCodecError, match="MAC"):
+        codec(mac_key=b"b" * 32).decode(b"k" * 32, data)
