@@ -35,6 +35,7 @@ _LEN = struct.Struct("!Q")
 CONTENDERS = ("socket", "tcp", "tcp+cap", "tcp+cap+mac", "tcp+cap+hmac", "ucx")
 _GRANT_KEY = b"bench-grant-key-0123456789abcdef"
 _MAC_KEY = b"bench-block-mac-0123456789abcdef"
+_INLINE_MAC_BYTES = 256 << 10  # smaller payloads are MAC'd on the event loop's thread
 
 
 def add_transport_subcommand(sub) -> None:
@@ -194,7 +195,9 @@ def _secured_send(conn, mac_kind: str):
     pending = []  # the MAC of the block to send next, computed while this one is sent
 
     async def send(payload: memoryview) -> None:
-        if mac is not None:
+        if mac is not None and len(payload) < _INLINE_MAC_BYTES:
+            mac(payload)  # a thread hop would cost more than the MAC
+        elif mac is not None:
             if pending:
                 await pending.pop()
             else:
