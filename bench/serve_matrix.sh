@@ -33,8 +33,9 @@ $PDS bench serve "${W[@]}" --num-prompts 4 --rate inf --out-dir "$OUT/warm" > /d
 for T in 1.0 0.0; do
   for RATE in 2 inf; do
     if [ "$T" = 1.0 ] && [ "$RATE" = inf ]; then
-      $PY -m pdserve.bench.serve_profile --engine "$ENGINE" --duration 40 \
-        > "$OUT/profile.txt" 2>&1 &
+      # after the prompts' prefill (all 64 arrive at once): a decode-heavy window
+      (sleep "${PROFILE_DELAY:-30}"; $PY -m pdserve.bench.serve_profile --engine "$ENGINE" \
+        --duration "${PROFILE_S:-30}") > "$OUT/profile.txt" 2>&1 &
       PROF=$!
     fi
     $PDS bench serve "${W[@]}" --rate "$RATE" --temperature "$T" \
