@@ -12,7 +12,6 @@ engine as if it had never run a request -> only then does a service report SERVI
 from __future__ import annotations
 
 import logging
-import resource
 import time
 from dataclasses import dataclass
 
@@ -115,7 +114,3 @@ def warmup_requests(vocab_size: int, block_size: int, max_model_len: int):
              SamplingParams(max_tokens=3, temperature=t, seed=i, ignore_eos=True))
             for i, t in enumerate((0.0, 1.0))]
 
-
-def peak_rss_note() -> str:
-    """The process's peak RSS so far, for the start-up log line."""
-    return f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB"
