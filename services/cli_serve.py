@@ -107,6 +107,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--memory-budget-bytes", type=int, default=None,
+                   help="weights + activation peak + KV cache of one engine; the KV gets what "
+                        "is left (`up` default: each engine's share of the host's memory)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="no automatic prefix caching (as vllm's --no-enable-prefix-caching)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                    help="auto: triton on CUDA, torch on the CPU")
@@ -190,6 +195,10 @@ def engine_argv(args, cpus: Optional[str] = None, threads: Optional[int] = None)
         argv += ["--num-blocks", str(args.num_blocks)]
     if args.kv_cache_bytes is not None:
         argv += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    if args.memory_budget_bytes is not None:
+        argv += ["--memory-budget-bytes", str(args.memory_budget_bytes)]
+    if args.no_prefix_caching:
+        argv.append("--no-prefix-caching")
     from pdserve.services.ports import free_port  # every engine serves its vllm: series
 
     argv += ["--metrics-port", str(free_port(args.host))]
@@ -217,6 +226,8 @@ def _run_engine(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         itl_target_ms=args.itl_target_ms,
         num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
+        memory_budget_bytes=args.memory_budget_bytes,
+        enable_prefix_caching=not args.no_prefix_caching,
         kv_store=args.kv_store, kv_transport=args.kv_transport, kv_lease_s=args.kv_lease,
         kv_load_timeout_s=args.kv_load_timeout, kv_block_secret_file=args.kv_block_secret_file,
         metrics_port=args.metrics_port,

@@ -13,6 +13,9 @@ router and the KV store master speak mutual TLS; Redis gets a password kept in `
 private folder), which reaches the services as `--flag @FILE` (services/common/arg_files.py),
 never as argv; disagg also makes the KV store's two secrets there (store-secret for the
 master and node, block-secret for the engines and router: services/common/kv_secrets.py).
+Memory: engines on this host split one share of its free memory (engine_memory_share), each
+planning its KV cache from its budget after a profiling forward (common/engine/startup.py);
+the map prints each engine's budget, and each engine's KV blocks once it is ready.
 Cores: explicit `--cpus` / `--prefill-cpus` / `--decode-cpus` pin every instance of that kind
 there; otherwise, when the machine has at least one core per engine, each engine gets its own
 core (prefill instances first), and with fewer cores none is pinned (the map says so).
@@ -81,15 +84,40 @@ def plan_stack(args, log_dir: Path, tls_dir: str = "", secret_dir: str = "") -> 
         steps.append(_kvstore(args, log_dir, store, redis_urls[0], tls_dir, kv_secrets.store))
         rows.append(("kvstore", store, "-", f"KV store master + node, {args.kv_capacity_mib} MiB"))
     addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
+    budget = engine_memory_share(args, len(engines))
     for e in engines:
-        step, addr = _engine(args, log_dir, e, store, registry, tls_dir, kv_secrets)
+        step, addr = _engine(args, log_dir, e, store, registry, tls_dir, kv_secrets, budget)
         steps.append(step)
         addrs["prefill" if e.role == "prefill" else "decode"].append(addr)
-        rows.append((e.name, addr, e.cpus or "any", f"{e.role}, {e.threads} torch thread(s)"))
+        rows.append((e.name, addr, e.cpus or "any", f"{e.role}, {e.threads} torch thread(s), "
+                     f"{_budget_words(args, budget)}"))
     steps.append(_router(args, log_dir, addrs, store, registry, tls_dir, kv_secrets))
     rows.append(("router", f"{args.host}:{args.port}", "any",
                  f"HTTP; gRPC :{args.grpc_port}; discovery {args.discovery}"))
     return Plan(steps, _layout(rows, engines), _banner(args, addrs, store, tls_dir))
+
+
+def engine_memory_share(args, num_engines: int) -> Optional[int]:
+    """Each engine's memory budget (weights + activation peak + KV) when the user sized none:
+    the engines on this host split one share of its free memory (CacheConfig's
+    kv_cache_fraction of it) instead of each taking that fraction of all of it. None: sized
+    by the user (blocks, KV bytes or a budget), or engines on GPUs (their own memory)."""
+    from pdserve.common.config import CacheConfig
+    from pdserve.common.kv.memory import available_memory_bytes
+
+    if args.num_blocks is not None or args.kv_cache_bytes is not None \
+            or args.memory_budget_bytes is not None or args.device != "cpu":
+        return None
+    return int(available_memory_bytes("cpu") * CacheConfig.kv_cache_fraction) // num_engines
+
+
+def _budget_words(args, budget: Optional[int]) -> str:
+    if budget is not None:
+        return f"memory budget {budget / 2**20:.0f} MiB (its share of the host)"
+    if args.memory_budget_bytes is not None:
+        return f"memory budget {args.memory_budget_bytes / 2**20:.0f} MiB"
+    return "KV sized by --num-blocks / --kv-cache-bytes" if args.device == "cpu" \
+        else f"KV from free {args.device} memory"
 
 
 def _engines(args) -> list[_Engine]:
@@ -142,7 +170,8 @@ def _kvstore(args, log_dir: Path, store: str, redis_url_file: str, tls_dir: str,
 
 
 def _engine(args, log_dir: Path, e: _Engine, store: str, registry: str,
-            tls_dir: str, kv_secrets: Optional[KVSecretFiles]) -> tuple[Step, str]:
+            tls_dir: str, kv_secrets: Optional[KVSecretFiles],
+            memory_budget: Optional[int] = None) -> tuple[Step, str]:
     from pdserve.services.cli_serve import engine_argv
 
     single = args.mode == "colocated" and args.replicas == 1
@@ -153,6 +182,8 @@ def _engine(args, log_dir: Path, e: _Engine, store: str, registry: str,
     words = SERVE + [service, *role, "--host", args.host, "--port", str(port),
                      "--model", args.model, *engine_argv(args, cpus=e.cpus, threads=e.threads),
                      *tls_argv(tls_dir)]
+    if memory_budget is not None:
+        words += ["--memory-budget-bytes", str(memory_budget)]
     if store:
         words += ["--kv-store", store, "--kv-transport", args.kv_transport,
                   "--kv-block-secret-file", kv_secrets.block]

@@ -39,12 +39,14 @@ from pdserve.common.engine.sampler import Sampler
 from pdserve.common.engine.scheduler import Scheduler
 from pdserve.common.kv.block_pool import BlockPool
 from pdserve.common.kv.kv_cache_manager import KVCacheManager
-from pdserve.common.kv.memory import plan_kv_blocks
+from pdserve.common.kv.memory import available_memory_bytes, plan_kv_blocks
 from pdserve.common.models.cpu_gemm import resolve_cpu_gemm
 from pdserve.common.models.quant.footprint import loaded_weights_footprint
 from pdserve.common.models.registry import LoadedModel, load_model
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.engine.step_profile import StepProfile
+from pdserve.common.engine.startup import (PeakProfile, profile_batch, profile_peak_bytes,
+                                           warmup_requests)
 
 logger = logging.getLogger(__name__)
 
@@ -76,16 +78,22 @@ class EngineCore:
             per_token = per_token * kv_head_range(cfg.num_kv_heads, 0, tp_size)[1] \
                 // cfg.num_kv_heads
         self.weights_footprint = loaded_weights_footprint(loaded.weights, tp_size == 1)
+        model, self.peak = None, None
+        if tp_size == 1:
+            model = build_rank_model(config, cfg, loaded.weights, SINGLE,
+                                     rank_device(config.device, 0, 1))
+            if cc.num_blocks is None and cc.kv_cache_bytes is None:  # planned from memory
+                self.peak = self._profile_peak(model)
         plan = plan_kv_blocks(per_token, cc.block_size,
-                              budget_bytes=cc.kv_cache_bytes, fraction=cc.kv_cache_fraction,
+                              budget_bytes=self._kv_budget(cc), fraction=cc.kv_cache_fraction,
                               num_blocks=cc.num_blocks, device=config.device,
-                              memory_budget_bytes=cc.memory_budget_bytes,
+                              memory_budget_bytes=self._less_peak(cc.memory_budget_bytes),
                               weights=self.weights_footprint)
         self.kv_plan = plan
         self.max_model_len = min(config.scheduler.max_model_len, cfg.max_position_embeddings,
                                  plan.num_tokens)
         self.cpu_gemm = resolve_cpu_gemm(config.cpu_gemm, config.device)
-        self.executor = self._start_executor(loaded, plan.num_blocks, given)
+        self.executor = self._start_executor(loaded, plan.num_blocks, given, model)
         self.model = self.executor.runner.model  # rank 0's shard (the whole model at T=1)
         self.pool = BlockPool(plan.num_blocks, cc.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, cc.block_size, self.fingerprint)
@@ -101,13 +109,77 @@ class EngineCore:
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer)
         self._aborted: list[RequestOutput] = []
         self.profile = StepProfile()  # where step time goes (served-path profile)
+        self.warmed_up = False  # warm_up() ran: kernels loaded, buffers sized
+        self.num_warmup_steps = 0
 
-    def _start_executor(self, loaded: LoadedModel, num_blocks: int, given: bool) -> Executor:
+    def _profile_peak(self, model) -> PeakProfile:
+        """The profiling forward at the largest batch the scheduler may form, into a scratch
+        KV cache freed afterwards (startup.py)."""
+        cfg, cc, sc = self.model_config, self.config.cache, self.config.scheduler
+        batch = profile_batch(sc.max_num_batched_tokens, sc.max_num_seqs,
+                              min(sc.max_model_len, cfg.max_position_embeddings), cc.block_size)
+        blocks = sum(len(c.block_ids) for c in batch.chunks)
+        device = rank_device(self.config.device, 0, 1)
+        scratch = allocate_kv_caches(cfg, (0, 1), blocks, cc.block_size, device)
+        runner = ModelRunner(model, scratch, cc.block_size, device)
+        peak = profile_peak_bytes(runner.execute, batch, self.config.device)
+        del runner, scratch
+        logger.info("%s", peak.describe())
+        return peak
+
+    def _less_peak(self, budget: Optional[int]) -> Optional[int]:
+        """A memory budget less the profiled non-KV activation peak (weights are subtracted by
+        the planner)."""
+        if budget is None or self.peak is None:
+            return budget
+        return budget - self.peak.activation_bytes
+
+    def _kv_budget(self, cc) -> Optional[int]:
+        """The explicit KV byte budget; or, planning from a fraction of free memory after a
+        profiling forward, that fraction less the forward's peak."""
+        if cc.kv_cache_bytes is not None or cc.memory_budget_bytes is not None \
+                or cc.num_blocks is not None or self.peak is None:
+            return cc.kv_cache_bytes
+        free = available_memory_bytes(self.config.device)
+        return int(free * cc.kv_cache_fraction) - self.peak.activation_bytes
+
+    def warm_up(self) -> int:
+        """Run a few real steps (startup.warmup_requests: prefill, decode, greedy and random
+        rows) so the first client request pays no kernel load or buffer allocation, then forget
+        them (prefix cache, counters, step profile). Idempotent; returns the steps run. Call
+        before taking requests (no other request may be queued)."""
+        if self.warmed_up:
+            return 0
+        if self.has_unfinished_requests():
+            raise RuntimeError("warm_up runs before any request is taken")
+        cfg, bs = self.model_config, self.config.cache.block_size
+        connector, self.connector = self.connector, None  # nothing reaches a KV store
+        self.scheduler.connector = None
+        self.executor.runner.reserve(self.config.scheduler.max_num_batched_tokens)
+        steps = 0
+        try:
+            for rid, prompt, params in warmup_requests(cfg.vocab_size, bs, self.max_model_len):
+                self.add_request(rid, prompt, params)
+            while self.has_unfinished_requests():
+                self.step()
+                steps += 1
+        finally:
+            self.connector = self.scheduler.connector = connector
+        self.pool.reset_prefix_cache()
+        self.pool.num_evictions = 0
+        self.kv.prefix_queries = self.kv.prefix_hits = 0
+        self.profile.reset()
+        self.warmed_up, self.num_warmup_steps = True, steps
+        logger.info("warmed up in %d steps", steps)
+        return steps
+
+    def _start_executor(self, loaded: LoadedModel, num_blocks: int, given: bool,
+                        model=None) -> Executor:
+        """`model`: rank 0's model, already built (T=1, before the KV plan)."""
         config, cfg = self.config, self.model_config
         tp_size = config.parallel.tensor_parallel_size
         device = rank_device(config.device, 0, tp_size)
         if tp_size == 1:
-            model = build_rank_model(config, cfg, loaded.weights, SINGLE, device)
             caches = allocate_kv_caches(cfg, (0, 1), num_blocks, config.cache.block_size, device)
             return UniProcExecutor(ModelRunner(model, caches, config.cache.block_size, device))
         from pdserve.common.distributed.executor import WorkerGroup

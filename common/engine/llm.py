@@ -19,6 +19,7 @@ class LLM:
         """`LLM(EngineConfig(...))` or `LLM(model="smollm2", ...)` (EngineConfig fields);
         `loaded` reuses an already loaded `LoadedModel` (several engines, one load)."""
         self.engine = EngineCore(config or EngineConfig(**kwargs), loaded)
+        self.engine.warm_up()  # the first generate() pays no kernel load or allocation
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

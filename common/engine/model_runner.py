@@ -28,6 +28,18 @@ class ModelRunner:
         self.model, self.kv_caches = model, kv_caches
         self.block_size = block_size
         self.device = device
+        # host input buffers [capacity] reused by every step; grown (counted) only when a step
+        # is longer than any before: warm-up reserves the scheduler's largest
+        self._tokens = np.empty(0, dtype=np.int64)
+        self._positions = np.empty(0, dtype=np.int64)
+        self.num_buffer_allocs = 0
+
+    def reserve(self, num_tokens: int) -> None:
+        """Size the reused input buffers for steps of up to `num_tokens` tokens."""
+        if num_tokens > len(self._tokens):
+            self._tokens = np.empty(num_tokens, dtype=np.int64)
+            self._positions = np.empty(num_tokens, dtype=np.int64)
+            self.num_buffer_allocs += 1
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, layer_done: Optional[LayerDone] = None
@@ -52,8 +64,8 @@ class ModelRunner:
         np.cumsum(q_lens, out=cu[1:])
         width = max(len(c.block_ids) for c in chunks)
         block_tables = np.zeros((len(chunks), width), dtype=np.int32)
-        tokens = np.empty(total, dtype=np.int64)
-        positions = np.empty(total, dtype=np.int64)
+        self.reserve(total)
+        tokens, positions = self._tokens[:total], self._positions[:total]  # used in this step only
         slots = np.empty(total, dtype=np.int64)
         for i, c in enumerate(chunks):
             s, e = cu[i], cu[i + 1]

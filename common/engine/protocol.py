@@ -28,6 +28,10 @@ class EngineClient(Protocol):
     fingerprint: str  # "" when the engine has no model fingerprint
     profile: StepProfile  # cumulative step-phase counters, written by the stepping thread
 
+    def warm_up(self) -> int:
+        """Run a few steps so the first request pays no kernel load or allocation, leaving no
+        trace (cache, counters); idempotent; returns the steps run. Before any request."""
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, first_token_id: Optional[int] = None,
                     kv_transfer: Optional[KVTransferParams] = None) -> None:

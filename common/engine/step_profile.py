@@ -51,5 +51,10 @@ class StepProfile:
         self.sample_ns += t3 - t2
         self.update_ns += t4 - t3
 
+    def reset(self) -> None:
+        """Every counter back to 0, in place (readers hold this object)."""
+        for f in fields(self):
+            setattr(self, f.name, 0)
+
     def snapshot(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

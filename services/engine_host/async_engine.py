@@ -83,6 +83,8 @@ class AsyncEngine:
         self.num_finished = 0  # requests that ended by stop or length (engine thread)
         self.num_step_failures = 0  # steps that raised; their batches were aborted
         self._draining = False  # set once by begin_drain(): no new requests
+        self.warmed_up = False  # the engine thread's core.warm_up() finished: SERVING from then
+        self._warm_done = asyncio.Event()  # set on the loop once warm-up ended (or failed)
         self.busy = False  # requests or KV saves still open (engine thread writes)
 
     # --- event loop side ---
@@ -99,14 +101,20 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        """Running and taking requests (Health says NOT_SERVING while draining)."""
-        return (self._thread is not None and self._thread.is_alive() and self._dead is None
-                and not self._draining)
+        """Warmed up, running and taking requests (Health says NOT_SERVING while warming up
+        and while draining)."""
+        return (self.warmed_up and self._thread is not None and self._thread.is_alive()
+                and self._dead is None and not self._draining)
 
     def begin_drain(self) -> None:
         """Refuse new requests (EngineDeadError -> UNAVAILABLE, which routers retry
         elsewhere); those already running go on to their end."""
         self._draining = True
+
+    async def wait_warmed_up(self) -> bool:
+        """Waits until the engine thread's warm-up ended; True when it succeeded."""
+        await self._warm_done.wait()
+        return self.warmed_up
 
     async def drained(self, timeout_s: float, poll_s: float = 0.05) -> bool:
         """Waits until no request runs and no KV save is pending (True), or timeout_s."""
@@ -136,8 +144,11 @@ class AsyncEngine:
         """
         if self._draining:
             raise EngineDeadError("draining: this instance is shutting down")
+        if self._thread is not None and not self.warmed_up:
+            await self._warm_done.wait()  # in process only: Health keeps routers away till then
         if not self.healthy:
-            raise EngineDeadError("engine is not running")
+            raise EngineDeadError("engine is not running" if self.warmed_up
+                                  else "engine is warming up")
         stream = RequestStream(request_id, self._max_pending, self._abort)
         self._commands.put(_Add(stream, list(prompt_token_ids), params, first_token_id,
                                 kv_transfer, tuple(resumed_token_ids)))
@@ -154,6 +165,12 @@ class AsyncEngine:
     # --- engine thread ---
     def _run(self) -> None:
         try:
+            try:
+                self.core.warm_up()  # before any command: Health is NOT_SERVING until then
+                self._stats = self.core.stats()
+                self.warmed_up = True
+            finally:
+                self._loop.call_soon_threadsafe(self._warm_done.set)
             while True:
                 busy = self.core.has_unfinished_requests()
                 if not self._drain(block=not busy):

@@ -3,7 +3,8 @@
 Lifecycle: `build_core` loads the model (slow, before anything listens); `start_engine_server`
 starts the engine thread, the grpc.aio server on the running loop and, with `metrics_port`,
 the Prometheus /metrics HTTP server (prometheus_client's own, on a thread), and returns them;
-`run_engine_server` sets up tracing, does that, registers in the instance registry when one
+`run_engine_server` sets up tracing, does that, waits for the engine thread's warm-up
+(common/engine/startup.py: Health says NOT_SERVING until it is done), registers in the instance registry when one
 is configured, then waits for SIGTERM/SIGINT and drains: deregister (routers stop choosing
 it), refuse new requests (Health NOT_SERVING, submits UNAVAILABLE, which routers retry
 elsewhere), let the requests running finish and their pending KV saves complete, up to
@@ -118,7 +119,7 @@ async def start_engine_server(cfg: EngineServiceConfig, core,
         except OSError:
             engine.stop()
             raise
-    await server.start()
+    await server.start()  # Health answers NOT_SERVING until the engine thread warmed up
     return RunningEngineServer(server, engine, port, metrics, metrics_http, health)
 
 
@@ -132,6 +133,8 @@ async def run_engine_server(cfg: EngineServiceConfig) -> None:
     tracing = setup_tracing(f"pdserve-{cfg.role}", otlp_endpoint=cfg.otlp_endpoint or None)
     core = build_core(cfg)
     running = await start_engine_server(cfg, core, tracing)
+    if not await running.engine.wait_warmed_up():
+        log.error("warm-up failed; the engine is not serving")
     log.info("%s engine service for %s listening on %s:%d (%s)", cfg.role, cfg.model, cfg.host,
              running.port, "mutual TLS" if cfg.tls.enabled else "plaintext")
     if cfg.metrics_port:

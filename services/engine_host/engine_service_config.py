@@ -27,6 +27,8 @@ class EngineServiceConfig:
     block_size: int = 16
     num_blocks: Optional[int] = None
     kv_cache_bytes: Optional[int] = None
+    memory_budget_bytes: Optional[int] = None  # weights + activations + KV; KV gets the rest
+    enable_prefix_caching: bool = True
     max_pending_outputs: int = 8  # per stream, before outputs are merged for a slow reader
     grace_s: float = 2.0  # on shutdown, how long calls in flight may finish
     drain_timeout_s: float = 30.0  # on SIGTERM, how long running requests may finish
@@ -79,7 +81,9 @@ class EngineServiceConfig:
         return EngineConfig(
             model=self.model,
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
-                              kv_cache_bytes=self.kv_cache_bytes),
+                              kv_cache_bytes=self.kv_cache_bytes,
+                              memory_budget_bytes=self.memory_budget_bytes,
+                              enable_prefix_caching=self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=self.max_model_len),

@@ -49,6 +49,11 @@ class FakeEngineCore:  # implements pdserve.common.engine.protocol.EngineClient
         self._reqs: dict[str, dict] = {}
         self._aborted: list[str] = []
         self.profile = StepProfile()
+        self.num_warmups = 0  # warm_up() calls (the service warms up before SERVING)
+
+    def warm_up(self):
+        self.num_warmups += 1
+        return 0
 
     def add_request(self, request_id, prompt_token_ids, params, first_token_id=None,
                     kv_transfer=None, resumed_token_ids=()):

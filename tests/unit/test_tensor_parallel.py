@@ -160,6 +160,7 @@ def test_a_dead_worker_makes_the_service_engine_unhealthy():
         engine = AsyncEngine(core)
         engine.start(asyncio.get_running_loop())
         try:
+            assert await engine.wait_warmed_up()  # SERVING only after the warm-up
             assert health_response(engine, info).status == pb.HealthResponse.SERVING
             stream = await engine.submit("r", list(range(1, 30)),
                                          SamplingParams(max_tokens=200, ignore_eos=True))

@@ -1,0 +1,62 @@
+"""Offline decode step time at given batch sizes (the peer of served ITL p50):
+
+    python -m pdserve.bench.offline_step --batch 8 16 --num-threads 2
+
+For each batch size B: B random prompts of --input-len tokens are prefilled, then
+--decode-steps steps that are decodes only (B rows each) are timed one by one; prints the
+median per B, then one JSON line {"decode_step_ms": {B: ms}, "cpu": ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--weights", default="fp32", choices=["packed", "fp32"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--num-threads", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.num_threads)
+    from pdserve.common.engine.llm import LLM
+    from pdserve.common.sampling_params import SamplingParams
+
+    llm = LLM(model=args.model, weights=args.weights, num_threads=args.num_threads)
+    core, rng = llm.engine, random.Random(0)
+    vocab = core.model_config.vocab_size
+    res = {}
+    for b in args.batch:
+        params = SamplingParams(max_tokens=args.decode_steps + 2, temperature=args.temperature,
+                                ignore_eos=True)
+        for i in range(b):
+            core.add_request(f"b{b}-{i}", [rng.randrange(vocab) for _ in range(args.input_len)],
+                             params)
+        times = []
+        while core.has_unfinished_requests():
+            t0 = time.perf_counter()
+            core.step()
+            dt = time.perf_counter() - t0
+            if core.profile.last_step_tokens == b and len(core.scheduler.running) == b:
+                times.append(dt)
+        res[b] = statistics.median(times) * 1e3
+        print(f"batch {b}: decode step {res[b]:.1f} ms (median of {len(times)})", flush=True)
+    print(json.dumps({"decode_step_ms": res, "temperature": args.temperature,
+                      "num_threads": args.num_threads, "cpu": platform.processor()
+                      or platform.machine()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

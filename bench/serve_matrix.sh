@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The served-path benchmark of docs/served-performance.md, one job at a time:
+#   flock /tmp/pdserve-cpu.lock bash bench/serve_matrix.sh colocated|disagg [OUT_DIR]
+# starts `pdserve up` (SmolLM2 fp32, prefix caching off), runs `pdserve bench serve` with 64
+# random prompts of 256 -> 128 tokens (EOS ignored) at rate 2 and all at once, greedy and at
+# temperature 1.0, reads the engine's step breakdown (serve_profile) during the saturated
+# temperature-1.0 run, stops the stack, then runs `pdserve bench offline` on the same workload.
+set -euo pipefail
+MODE=${1:-colocated}
+OUT=${2:-/tmp/pdserve-serve-matrix-$MODE}
+PY=${PY:-python}
+PDS=${PDS:-pdserve}
+PORT=${PORT:-18431}
+mkdir -p "$OUT"
+export OMP_NUM_THREADS=2
+if [ "$MODE" = colocated ]; then
+  STACK=(--mode colocated --num-threads 2 --cpus 0,1)
+else
+  STACK=(--mode disagg --prefill-cpus 0 --decode-cpus 1)
+fi
+$PDS up "${STACK[@]}" --model smollm2 --weights fp32 --no-prefix-caching --insecure \
+  --port "$PORT" --grpc-port $((PORT + 1)) --discovery static --log-dir "$OUT/logs" \
+  > "$OUT/up.log" 2>&1 &
+UP=$!
+trap 'kill -TERM $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
+for _ in $(seq 600); do grep -q "^ready" "$OUT/up.log" && break; sleep 0.5; done
+grep -q "^ready" "$OUT/up.log" || { cat "$OUT/up.log"; exit 1; }
+grep -E "memory budget|KV cache" "$OUT/up.log" || true
+ENGINE=$(grep -E "^  (unified|decode) " "$OUT/up.log" | head -1 | awk '{print $2}')
+W=(--workload random --num-prompts 64 --input-len 256 --output-len 128 --seed 0 --no-progress
+   --base-url "http://127.0.0.1:$PORT")
+$PDS bench serve "${W[@]}" --num-prompts 4 --rate inf --out-dir "$OUT/warm" > /dev/null
+for T in 1.0 0.0; do
+  for RATE in 2 inf; do
+    if [ "$T" = 1.0 ] && [ "$RATE" = inf ]; then
+      # after the prompts' prefill (all 64 arrive at once): a decode-heavy window
+      (sleep "${PROFILE_DELAY:-30}"; $PY -m pdserve.bench.serve_profile --engine "$ENGINE" \
+        --duration "${PROFILE_S:-30}") > "$OUT/profile.txt" 2>&1 &
+      PROF=$!
+    fi
+    $PDS bench serve "${W[@]}" --rate "$RATE" --temperature "$T" \
+      --out-dir "$OUT/serve-t$T-r$RATE" | tail -1 | sed "s/^/serve t=$T rate=$RATE /"
+  done
+done
+wait "${PROF:-}" 2>/dev/null || true
+echo "profile:"; cat "$OUT/profile.txt"
+kill -TERM $UP; wait $UP || true
+trap - EXIT
+for T in 0.0 1.0; do
+  $PDS bench offline --model smollm2 --weights fp32 --num-prompts 64 --input-len 256 \
+    --output-len 128 --num-threads 2 --skip-hf --repeats 1 --temperature "$T" | tail -1 \
+    | sed "s/^/offline t=$T /"
+done
+$PY -m pdserve.bench.offline_step --batch 4 8 16 32 64 --num-threads 2 | tail -1 \
+  | sed "s/^/offline decode step /"
