@@ -55,6 +55,13 @@ class KVConnector(abc.ABC):
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         ...
 
+    def register_kv_shards(self, shards: list[list[torch.Tensor]]) -> None:
+        """Every tensor-parallel rank's caches (rank order; rank r holds a contiguous run of
+        KV heads). The default handles one rank only."""
+        if len(shards) != 1:
+            raise NotImplementedError(f"{type(self).__name__} reads one rank's KV cache only")
+        self.register_kv_caches(shards[0])
+
     def begin_step(self, batch: list[tuple["Request", int, list[int]]]) -> None:
         """batch: (request, new tokens this step, its block ids), before the forward."""
 
