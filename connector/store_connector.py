@@ -41,6 +41,7 @@ import torch
 from pdserve.common.engine.kv_connector import KVConnector
 from pdserve.connector.codec import HEADER_SIZE, BlockCodec, BlockCodecError
 from pdserve.connector.io_thread import IOThread
+from pdserve.connector.layout import HeadShards
 from pdserve.connector.store import BlockStore, put_stored
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class StoreKVConnector(KVConnector):
         self.io = io or IOThread()
         self.stats = ConnectorStats()
         self.kv_caches: list[torch.Tensor] = []
+        self.heads: Optional[HeadShards] = None  # every rank's heads (layout.py)
         self._lock = threading.Lock()  # guards the three result sets and _saving
         self._saved: set[str] = set()
         self._loaded: set[str] = set()
@@ -161,7 +163,10 @@ class StoreKVConnector(KVConnector):
 
     # -- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        self.kv_caches = kv_caches
+        self.register_kv_shards([kv_caches])
+
+    def register_kv_shards(self, shards: list[list[torch.Tensor]]) -> None:
+        self.kv_caches, self.heads = shards[0], HeadShards(shards)
 
     def begin_step(self, batch) -> None:
         if not self.produces:
@@ -200,7 +205,7 @@ class StoreKVConnector(KVConnector):
         if self._step is None:
             return
         _, ids, view, _ = self._step
-        view[:, layer_idx].copy_(kv_cache[:, ids].transpose(0, 1))  # [n, 2, bs, kvh, d]
+        self.heads.copy_layer_into(view[:, layer_idx], layer_idx, ids)  # [n, 2, bs, kvh, d]
 
     def end_step(self) -> None:
         if self._step is None:
@@ -266,7 +271,7 @@ class StoreKVConnector(KVConnector):
             have = len(keys)
         items = []
         for key, block_id in zip(keys[have:], block_ids[have:]):
-            block = torch.stack([cache[:, block_id] for cache in self.kv_caches])
+            block = self.heads.read_block(block_id)
             items.append((rid, key, self.codec.encode_into(key, block,
                                                            bytearray(self.codec.nbytes))))
         await self._put_many(items, [rid])  # one count for the whole backfill
@@ -334,8 +339,7 @@ class StoreKVConnector(KVConnector):
             self._note_failure("codec")
             log.warning("%s", exc)
             return False
-        for layer, cache in enumerate(self.kv_caches):
-            cache[:, block_id].copy_(block[layer])
+        self.heads.write_block(block_id, block)
         return True
 
     def _note_failure(self, reason: str) -> None:

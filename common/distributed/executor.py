@@ -52,7 +52,10 @@ class WorkerDiedError(EngineFatalError):
 
 
 class Executor(Protocol):
-    runner: ModelRunner  # rank 0's (its KV caches are the ones the KV connector reads)
+    runner: ModelRunner  # rank 0's
+    # every rank's KV caches, rank order (the KV connector's view); T > 1: only when they
+    # were put in shared memory for a connector (kv_share.py), else rank 0's alone
+    kv_shards: list[list[torch.Tensor]]
 
     def execute_model(self, out: SchedulerOutput, layer_done: Optional[LayerDone] = None
                       ) -> torch.Tensor:
@@ -68,6 +71,7 @@ class Executor(Protocol):
 class UniProcExecutor:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        self.kv_shards = [runner.kv_caches]
 
     def execute_model(self, out, layer_done=None) -> torch.Tensor:
         return self.runner.execute(out, layer_done)
@@ -88,12 +92,20 @@ class WorkerGroup:
     a socketpair; its WorkerSpec goes over it first, then the steps."""
 
     def __init__(self, config: EngineConfig, num_blocks: int, slot_floats: int,
-                 model: Optional[tuple[ModelConfig, dict]] = None):
+                 model: Optional[tuple[ModelConfig, dict]] = None,
+                 shared_kv: Optional[ModelConfig] = None):
+        """`shared_kv`: the model's config when every rank's KV cache must live in shared
+        memory (a KV connector; kv_share.py); `kv_paths` then names the files, rank order."""
+        from pdserve.common.distributed.kv_share import create_kv_files
         from pdserve.common.distributed.shm_comm import ShmCommunicator, make_buffers
         from pdserve.common.distributed.torch_comm import init_group, make_store
 
         self.comm = None
         world = config.parallel.tensor_parallel_size
+        self.kv_paths: list[str] = []
+        if shared_kv is not None:
+            self.kv_paths = create_kv_files(shared_kv, world, num_blocks,
+                                            config.cache.block_size)
         self._store = make_store(0, world, is_master=True)
         use_shm = config.parallel.all_reduce != "gloo" and config.device == "cpu"
         shm = make_buffers(world, slot_floats) if use_shm else None
@@ -101,11 +113,13 @@ class WorkerGroup:
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns,
-                                           shm.path if shm is not None else None)
+                                           shm.path if shm is not None else None,
+                                           list(self.kv_paths))
         try:
             for rank in range(1, world):
                 spec = WorkerSpec(rank, world, self._store.port, config, num_blocks, model,
-                                  shm.path if shm is not None else None, slot_floats)
+                                  shm.path if shm is not None else None, slot_floats,
+                                  self.kv_paths[rank] if self.kv_paths else None)
                 self._spawn(spec)
             self._expect("hello")
             comm = init_group(self._store, 0, world, config.device)
@@ -173,6 +187,8 @@ class WorkerGroup:
         if self._shm_path is not None:  # every rank mapped it: the name is no longer needed
             os.unlink(self._shm_path)
             self._shm_path = None
+        from pdserve.common.distributed.kv_share import unlink_kv_files
+        unlink_kv_files(self.kv_paths)  # rank 0 mapped them all before this
 
     def close(self) -> None:
         comm, self.comm = self.comm, None
@@ -183,7 +199,7 @@ class WorkerGroup:
             comm.close()
 
 
-def _shutdown(procs, conns, shm_path) -> None:
+def _shutdown(procs, conns, shm_path, kv_paths) -> None:
     for conn in conns:
         try:
             conn.send_bytes(pickle.dumps(None))
@@ -200,11 +216,16 @@ def _shutdown(procs, conns, shm_path) -> None:
         conn.close()
     if shm_path is not None and os.path.exists(shm_path):
         os.unlink(shm_path)
+    for path in kv_paths:
+        if os.path.exists(path):
+            os.unlink(path)
 
 
 class MultiProcExecutor:
-    def __init__(self, runner: ModelRunner, workers: WorkerGroup):
+    def __init__(self, runner: ModelRunner, workers: WorkerGroup,
+                 kv_shards: Optional[list[list[torch.Tensor]]] = None):
         self.runner, self.workers = runner, workers
+        self.kv_shards = kv_shards or [runner.kv_caches]
         self._closed = False
 
     def execute_model(self, out, layer_done=None) -> torch.Tensor:

@@ -40,6 +40,7 @@ class WorkerSpec:
     model: Optional[tuple[ModelConfig, dict]] = None
     shm_path: Optional[str] = None  # the shared-memory all-reduce's buffers (shm_comm.py)
     slot_floats: int = 0
+    kv_path: Optional[str] = None  # this rank's KV cache file (kv_share.py), with a connector
 
 
 def main(argv: list[str]) -> int:
@@ -118,8 +119,13 @@ def _build(spec: WorkerSpec, comm):
     tp = TensorParallel(spec.rank, spec.world_size, comm)
     model = build_rank_model(cfg, model_config, weights, tp, device)
     del weights  # keep only this rank's shard
-    caches = allocate_kv_caches(model_config, (spec.rank, spec.world_size), spec.num_blocks,
-                                cfg.cache.block_size, device)
+    if spec.kv_path is not None:
+        from pdserve.common.distributed.kv_share import map_rank_kv
+        caches = map_rank_kv(spec.kv_path, model_config, spec.rank, spec.world_size,
+                             spec.num_blocks, cfg.cache.block_size)
+    else:
+        caches = allocate_kv_caches(model_config, (spec.rank, spec.world_size),
+                                    spec.num_blocks, cfg.cache.block_size, device)
     return ModelRunner(model, caches, cfg.cache.block_size, device)
 
 

@@ -68,9 +68,6 @@ class EngineCore:
         self.model_config = cfg = loaded.config
         self.fingerprint = loaded.fingerprint
         check_tp_split(cfg, tp_size)
-        if tp_size > 1 and connector_factory is not None:
-            raise NotImplementedError("a KV connector with tensor_parallel_size > 1 is not "
-                                      "implemented yet (issue 15, KV hand-off across layouts)")
         cc = config.cache
         # ranks on one host share its memory (the budget covers all of them); GPUs have their own
         per_token = cfg.kv_bytes_per_token
@@ -93,13 +90,14 @@ class EngineCore:
         self.max_model_len = min(config.scheduler.max_model_len, cfg.max_position_embeddings,
                                  plan.num_tokens)
         self.cpu_gemm = resolve_cpu_gemm(config.cpu_gemm, config.device)
-        self.executor = self._start_executor(loaded, plan.num_blocks, given, model)
+        self.executor = self._start_executor(loaded, plan.num_blocks, given, model,
+                                             connector_factory is not None)
         self.model = self.executor.runner.model  # rank 0's shard (the whole model at T=1)
         self.pool = BlockPool(plan.num_blocks, cc.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, cc.block_size, self.fingerprint)
         self.connector = connector_factory(self) if connector_factory else None
         if self.connector is not None:
-            self.connector.register_kv_caches(self.executor.runner.kv_caches)
+            self.connector.register_kv_shards(self.executor.kv_shards)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         sc = config.scheduler
         self.scheduler = Scheduler(self.kv, sc.max_num_seqs, sc.max_num_batched_tokens,
@@ -174,8 +172,9 @@ class EngineCore:
         return steps
 
     def _start_executor(self, loaded: LoadedModel, num_blocks: int, given: bool,
-                        model=None) -> Executor:
-        """`model`: rank 0's model, already built (T=1, before the KV plan)."""
+                        model=None, share_kv: bool = False) -> Executor:
+        """`model`: rank 0's model, already built (T=1, before the KV plan); `share_kv`: a KV
+        connector will read every rank's heads (kv_share.py)."""
         config, cfg = self.config, self.model_config
         tp_size = config.parallel.tensor_parallel_size
         device = rank_device(config.device, 0, tp_size)
@@ -187,19 +186,29 @@ class EngineCore:
         sc = config.scheduler
         slot = max(sc.max_num_batched_tokens * cfg.hidden_size,
                    sc.max_num_seqs * vocab_shard(cfg.vocab_size, tp_size))
+        if share_kv and config.device != "cpu":
+            raise NotImplementedError("a KV connector with tensor_parallel_size > 1 needs the "
+                                      "CPU (ranks' caches in shared memory)")
         workers = WorkerGroup(config, num_blocks, slot,
-                              (cfg, loaded.weights) if given else None)
+                              (cfg, loaded.weights) if given else None,
+                              cfg if share_kv else None)
         try:
             model = build_rank_model(config, cfg, loaded.weights,
                                      TensorParallel(0, tp_size, workers.comm), device)
-            caches = allocate_kv_caches(cfg, (0, tp_size), num_blocks, config.cache.block_size,
-                                        device)
+            shards = None
+            if share_kv:
+                from pdserve.common.distributed.kv_share import map_all_kv
+                shards = map_all_kv(workers.kv_paths, cfg, num_blocks, config.cache.block_size)
+                caches = shards[0]
+            else:
+                caches = allocate_kv_caches(cfg, (0, tp_size), num_blocks,
+                                            config.cache.block_size, device)
             workers.wait_ready()
         except BaseException:
             workers.close()
             raise
         return MultiProcExecutor(ModelRunner(model, caches, config.cache.block_size, device),
-                                 workers)
+                                 workers, shards)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],

@@ -16,8 +16,9 @@ Scheduler side (called by the Scheduler, single-threaded, between steps)
   the request among the finished saves.
 
 Worker side (called by EngineCore around rank 0's forward)
-- `register_kv_caches(kv_caches)` once; `begin_step(batch)`, `save_layer(layer, kv_cache)` after
-  each layer's attention, `end_step()` after the forward. A producer copies the blocks that
+- `register_kv_shards(shards)` once (every tensor-parallel rank's caches; at T = 1 the
+  default hands rank 0's to `register_kv_caches(kv_caches)`); `begin_step(batch)`,
+  `save_layer(layer, kv_cache)` after each layer's attention, `end_step()` after the forward. A producer copies the blocks that
   became full in this step out of each layer as the forward goes, so saving overlaps compute.
 - `get_finished() -> (saved request ids, loaded request ids)` and `get_failed_loads() ->
   {request id: tokens that did load}`; every load ends in exactly one of the two.
@@ -54,6 +55,13 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         ...
+
+    def register_kv_shards(self, shards: list[list[torch.Tensor]]) -> None:
+        """Every tensor-parallel rank's caches (rank order; rank r holds a contiguous run of
+        KV heads). The default handles one rank only."""
+        if len(shards) != 1:
+            raise NotImplementedError(f"{type(self).__name__} reads one rank's KV cache only")
+        self.register_kv_caches(shards[0])
 
     def begin_step(self, batch: list[tuple["Request", int, list[int]]]) -> None:
         """batch: (request, new tokens this step, its block ids), before the forward."""

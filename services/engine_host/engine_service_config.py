@@ -71,9 +71,6 @@ class EngineServiceConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
-        if self.parallel.tensor_parallel_size > 1 and self.kv_store:
-            raise NotImplementedError("--kv-store with --tensor-parallel-size > 1 is not "
-                                      "implemented yet (issue 15: KV hand-off across layouts)")
         self.engine_config()  # the engine's own checks, now rather than after startup
         self.kv_settings()
 
