@@ -197,3 +197,30 @@ def test_no_leak_after_cancel_failed_save_or_budget(tiny):
     idle(d)
     store.put = put
     d.close()
+
+
+def test_kv_reuse_switch_reaches_the_connector():
+    from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
+
+    for on in (True, False):
+        cfg = EngineServiceConfig(role="prefill", kv_store="127.0.0.1:1", kv_reuse=on)
+        assert cfg.kv_settings().connector_config().reuse is on
+    with pytest.raises(ValueError):
+        ConnectorConfig(save_budget_bytes=-1)
+
+
+def test_multiturn_workload_keeps_user_turns_in_order(tmp_path):
+    import json
+
+    from pdserve.bench.multiturn_workload import pick_conversations
+
+    def conv(n):
+        return {"conversations": [t for k in range(n) for t in (
+            {"from": "human", "value": f"q{k}" * 50}, {"from": "gpt", "value": "a"})]}
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([conv(1), conv(3), conv(4), conv(2)]))
+    picked = pick_conversations(2, 3, 10, seed=0, path=path)
+    assert [c.index for c in picked] == [1, 2]
+    assert picked[0].user_turns == ("q0" * 5, "q1" * 5, "q2" * 5)
+    with pytest.raises(ValueError):
+        pick_conversations(3, 3, 10, seed=0, path=path)
