@@ -224,3 +224,25 @@ def test_multiturn_workload_keeps_user_turns_in_order(tmp_path):
     assert picked[0].user_turns == ("q0" * 5, "q1" * 5, "q2" * 5)
     with pytest.raises(ValueError):
         pick_conversations(3, 3, 10, seed=0, path=path)
+
+
+def test_prefill_trusts_the_routers_stored_keys_without_a_lookup(tiny):
+    store = InMemoryBlockStore()
+    run(engine(tiny, store, "producer"), [("a", TURN1, FIRST, None, None)])
+    keys = tuple(store.objects)  # what the router's lookup found (any order is a miss)
+    hint = KVTransferParams(block_keys=tuple(engine(tiny).scheduler.kv.update_block_hashes(
+        _req(TURN1))))
+    assert set(hint.block_keys) == set(keys)
+    lookups = []
+    lookup = store.prefix_lookup
+
+    async def counted(k):
+        lookups.append(len(k))
+        return await lookup(k)
+    store.prefix_lookup = counted
+    p = engine(tiny, store, "producer")
+    first = run(p, [("p", TURN1 + QUESTION, FIRST, None, hint)])["p"]
+    assert first == reference(tiny, TURN1 + QUESTION)[:1]
+    assert p.connector.stats.blocks_loaded == 3 and lookups == []
+    idle(p)
+    p.close()
