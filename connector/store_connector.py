@@ -24,8 +24,8 @@ recomputes from there.
 Reuse (ConnectorConfig.reuse, on by default; docs/kv-reuse.md): a producer is a consumer too,
 so a prefill instance loads the stored prefix of a prompt (a shared system prompt, a
 conversation's history) through the same WAITING_FOR_KV path, validation and fallback ladder,
-and computes only the rest; a consumer is a producer too, so when a decode request finishes,
-its full blocks the store lacks (the answer, and a prompt tail it recomputed) are put under
+and computes only the rest; a consumer is a producer too, so when a decode request finishes
+(or is preempted: its blocks are copied out first, then freed), its full blocks the store lacks (the answer, and a prompt tail it recomputed) are put under
 the same chained keys, and the next turn of the conversation is a store hit on any instance.
 Those finish-time saves read the blocks straight from the cache, which the scheduler holds
 until the save is done (so eviction cannot race it), and are bounded by `save_budget_bytes`
@@ -103,14 +103,14 @@ class StoreKVConnector(KVConnector):
         self.io = io or IOThread()
         self.stats = ConnectorStats()
         self.kv_caches: list[torch.Tensor] = []
-        self._lock = threading.Lock()  # guards the three result sets and _saving
+        self._lock = threading.Lock()  # the three result sets, _saving, _budget_used
         self._saved: set[str] = set()
         self._loaded: set[str] = set()
         self._failed: dict[str, int] = {}
         self._saving: dict[str, int] = {}  # request id -> save batches in flight
         self._started: set[str] = set()  # producer: requests whose first chunk ran
         self._store_from: dict[str, int] = {}  # request id -> first block it loaded
-        self._budget_used = 0  # finish-time save bytes in flight (I/O thread only)
+        self._budget_used = 0  # decode's save bytes in flight (under _lock)
         self._step: Optional[tuple[list, torch.Tensor, torch.Tensor, bytearray]] = None
         self._sem: Optional[asyncio.Semaphore] = None
         # request id -> (num_computed_tokens it was asked for, the lookup's future)
@@ -195,9 +195,49 @@ class StoreKVConnector(KVConnector):
             return self._saving.get(rid, 0) > 0
 
     def _should_save_finished(self, request) -> bool:
+        return self._may_save(request) and request.status == RequestStatus.FINISHED
+
+    def _may_save(self, request) -> bool:
         return (self.saves_finished and self.config.save_budget_bytes > 0
-                and request.kv_transfer.store_output
-                and request.status == RequestStatus.FINISHED)
+                and request.kv_transfer.store_output)
+
+    def request_preempted(self, request, block_ids) -> None:
+        """Copy the full blocks of a preempted decode request into one staging buffer now
+        (its blocks are freed right after), then put those the store lacks."""
+        if not self._may_save(request):
+            return
+        bs, size = self.codec.block_size, self.codec.nbytes
+        n = min(request.num_computed_tokens // bs, len(request.block_hashes), len(block_ids))
+        with self._lock:  # reserve the budget here: the copy is made on this thread
+            n = min(n, (self.config.save_budget_bytes - self._budget_used) // size)
+            self._budget_used += max(n, 0) * size
+        if n <= 0:
+            return
+        buf = bytearray(n * size)
+        view = self._staging_view(buf, n)
+        ids = torch.tensor(block_ids[:n], dtype=torch.long)
+        for layer, cache in enumerate(self.kv_caches):
+            view[:, layer].copy_(cache[:, ids].transpose(0, 1))  # [n, 2, bs, kvh, d]
+        self.io.submit(self._save_copied(list(request.block_hashes[:n]), buf))
+
+    async def _save_copied(self, keys: list[bytes], buf: bytearray) -> None:
+        size = self.codec.nbytes
+        try:
+            try:
+                have = await self.store.prefix_lookup(keys)
+            except Exception as exc:
+                self._note_failure("preempted:" + type(exc).__name__)
+                have = len(keys)
+            whole = memoryview(buf)
+            items = []
+            for j in range(have, len(keys)):
+                view = whole[j * size:(j + 1) * size]
+                view[:HEADER_SIZE] = self.codec.header(keys[j], view[HEADER_SIZE:])
+                items.append(("", keys[j], view))
+            await self._put_many(items, [])
+        finally:
+            with self._lock:
+                self._budget_used -= len(keys) * size
 
     # -- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
@@ -311,12 +351,13 @@ class StoreKVConnector(KVConnector):
         todo = list(zip(keys[have:], block_ids[have:]))
         reserved = 0
         if budgeted and todo:
-            room = (self.config.save_budget_bytes - self._budget_used) // self.codec.nbytes
-            if room < len(todo):
-                self.stats.saves_over_budget += 1
-                todo = todo[:max(room, 0)]
-            reserved = len(todo) * self.codec.nbytes
-            self._budget_used += reserved
+            with self._lock:
+                room = (self.config.save_budget_bytes - self._budget_used) // self.codec.nbytes
+                if room < len(todo):
+                    self.stats.saves_over_budget += 1
+                    todo = todo[:max(room, 0)]
+                reserved = len(todo) * self.codec.nbytes
+                self._budget_used += reserved
         try:
             items = []
             try:
@@ -328,7 +369,8 @@ class StoreKVConnector(KVConnector):
                 self._note_failure("backfill:" + type(exc).__name__)
             await self._put_many(items, [rid])  # one count for the whole backfill
         finally:
-            self._budget_used -= reserved
+            with self._lock:
+                self._budget_used -= reserved
 
     async def _put_many(self, items, done: list[str]) -> None:
         """Put (request id, key, encoded view) items, then mark `done` (one entry per count

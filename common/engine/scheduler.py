@@ -254,6 +254,8 @@ class Scheduler:
             self.waiting.appendleft(req)
 
     def _preempt(self, req: Request) -> None:
+        if self.connector is not None:  # (it may copy the blocks out before they go)
+            self.connector.request_preempted(req, self.kv.block_ids(req.request_id))
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1

@@ -158,9 +158,17 @@ def test_decode_saves_racing_eviction_and_preemption(tiny):
     store = InMemoryBlockStore()
     prompts = [TURN1, list(range(60, 109)), list(range(110, 159))]
     d = engine(tiny, store, "consumer", num_blocks=14)  # cannot hold all three answers
+    copied = []
+    save_copied = d.connector._save_copied
+
+    def spy(keys, buf):
+        copied.append(keys)
+        return save_copied(keys, buf)
+    d.connector._save_copied = spy
     store.delay_s = 0.05
     got = run(d, [(f"r{i}", p, GREEDY, None, None) for i, p in enumerate(prompts)])
     assert d.scheduler.num_preemptions > 0
+    assert copied and all(k in store.objects for keys in copied for k in keys)
     store.delay_s = 0.0
     idle(d)
     d.close()
