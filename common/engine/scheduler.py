@@ -275,8 +275,9 @@ class Scheduler:
         elif not loading and req in self.waiting:
             self.waiting.remove(req)
         req.transition(status)
-        if loading or (self.connector is not None and self.connector.request_finished(
-                req, self.kv.block_ids(request_id))):
+        saving = self.connector is not None and self.connector.request_finished(
+            req, self.kv.block_ids(request_id))  # (told even while loading: it forgets req)
+        if loading or saving:
             self.held[request_id] = req  # the connector still uses its blocks
         else:
             self._reclaim(req)

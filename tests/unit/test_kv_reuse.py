@@ -254,3 +254,19 @@ def test_prefill_trusts_the_routers_stored_keys_without_a_lookup(tiny):
     assert p.connector.stats.blocks_loaded == 3 and lookups == []
     idle(p)
     p.close()
+
+
+def test_cancel_while_prefill_loads_leaks_nothing(tiny):
+    store = InMemoryBlockStore()
+    run(engine(tiny, store, "producer"), [("a", TURN1, FIRST, None, None)])
+    store.delay_s = 0.3
+    p = engine(tiny, store, "producer")
+    p.add_request("c", TURN1 + QUESTION, FIRST)
+    deadline = time.monotonic() + 30
+    while "c" not in p.scheduler.kv_waiting:
+        assert time.monotonic() < deadline
+        p.step()
+    p.abort_request("c")
+    run(p, [])
+    idle(p)
+    p.close()
