@@ -25,8 +25,9 @@ Reuse (ConnectorConfig.reuse, on by default; docs/kv-reuse.md): a producer is a 
 so a prefill instance loads the stored prefix of a prompt (a shared system prompt, a
 conversation's history) through the same WAITING_FOR_KV path, validation and fallback ladder,
 and computes only the rest; a consumer is a producer too, so when a decode request finishes
-(or is preempted: its blocks are copied out first, then freed), its full blocks the store lacks (the answer, and a prompt tail it recomputed) are put under
-the same chained keys, and the next turn of the conversation is a store hit on any instance.
+(or is preempted: its blocks are copied out first, then freed), its full blocks the store
+lacks (the answer, and a prompt tail it recomputed) are put under the same chained keys, and
+the next turn of the conversation is a store hit on any instance.
 Those finish-time saves read the blocks straight from the cache, which the scheduler holds
 until the save is done (so eviction cannot race it), and are bounded by `save_budget_bytes`
 of encoded blocks in flight per instance; a request whose KVTransferParams say

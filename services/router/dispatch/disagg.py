@@ -11,7 +11,8 @@ The decision, per engine request (each outcome counted in pdserve_router_disagg_
    instance has more than `max_prefill_queue_tokens` prompt tokens queued ("prefill_busy"),
    or when no prefill instance is up ("no_prefill"). Otherwise: "prefill".
 3. Prefill on the instance the prefill policy picks, telling it which leading blocks the
-   store holds (it loads them, computes the rest and saves the new blocks before it answers), then hand its first token and block keys to a decode instance the decode
+   store holds (it loads them, computes the rest and saves the new blocks before it
+   answers), then hand its first token and block keys to a decode instance the decode
    policy picks (HandOffStream; decode_open retries another decode before its first token).
 4. The ladder: a prefill that fails or times out is retried on another prefill instance (up
    to `prefill_retries`, with backoff); then the whole prompt goes to a decode instance.
