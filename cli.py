@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_subcommands(bench_sub)  # serve, sweep, compare
     from pdserve.bench.kv import add_kv_subcommand
     add_kv_subcommand(bench_sub)
+    from pdserve.bench.multiturn import add_multiturn_subcommand
+    add_multiturn_subcommand(bench_sub)
     from pdserve.bench.transport import add_transport_subcommand
     add_transport_subcommand(bench_sub)
     from pdserve.bench.router import add_router_bench_subcommand

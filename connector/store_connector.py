@@ -21,6 +21,18 @@ validated by the codec before it is written to the cache; the load stops at the 
 unreadable, corrupted or late block, and reports the blocks before it as loaded, so the engine
 recomputes from there.
 
+Reuse (ConnectorConfig.reuse, on by default; docs/kv-reuse.md): a producer is a consumer too,
+so a prefill instance loads the stored prefix of a prompt (a shared system prompt, a
+conversation's history) through the same WAITING_FOR_KV path, validation and fallback ladder,
+and computes only the rest; a consumer is a producer too, so when a decode request finishes
+(or is preempted: its blocks are copied out first, then freed), its full blocks the store
+lacks (the answer, and a prompt tail it recomputed) are put under the same chained keys, and
+the next turn of the conversation is a store hit on any instance.
+Those finish-time saves read the blocks straight from the cache, which the scheduler holds
+until the save is done (so eviction cannot race it), and are bounded by `save_budget_bytes`
+of encoded blocks in flight per instance; a request whose KVTransferParams say
+`store_output=False` saves nothing.
+
 The partial tail block is never stored: decode recomputes it (at most block_size - 1 tokens,
 cheaper than a request-scoped object with its own lease, and it keeps every stored object
 content-addressed and shareable).
@@ -39,6 +51,7 @@ from typing import Literal, Optional
 import torch
 
 from pdserve.common.engine.kv_connector import KVConnector
+from pdserve.common.engine.request import RequestStatus
 from pdserve.connector.codec import HEADER_SIZE, BlockCodec, BlockCodecError
 from pdserve.connector.io_thread import IOThread
 from pdserve.connector.layout import HeadShards
@@ -55,6 +68,8 @@ class ConnectorConfig:
     lease_s: float = 30.0  # stored blocks are not evicted for this long
     load_timeout_s: float = 10.0  # a load taking longer fails (and is recomputed)
     max_inflight: int = 8  # parallel block transfers
+    reuse: bool = True  # prefill also loads, decode also saves finished requests
+    save_budget_bytes: int = 64 << 20  # decode's finish-time saves: encoded bytes in flight
 
     def __post_init__(self):
         if self.role not in ("producer", "consumer", "both"):
@@ -64,6 +79,8 @@ class ConnectorConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.save_budget_bytes < 0:
+            raise ValueError(f"save_budget_bytes must be >= 0, got {self.save_budget_bytes}")
 
 
 @dataclass
@@ -73,6 +90,7 @@ class ConnectorStats:
     bytes_saved: int = 0
     bytes_loaded: int = 0
     save_failures: int = 0
+    saves_over_budget: int = 0  # finish-time saves cut short by save_budget_bytes
     load_failures: int = 0  # loads that stopped early (miss, corrupt, timeout, store down)
     lookup_failures: int = 0
     save_seconds: float = 0.0
@@ -88,12 +106,14 @@ class StoreKVConnector(KVConnector):
         self.stats = ConnectorStats()
         self.kv_caches: list[torch.Tensor] = []
         self.heads: Optional[HeadShards] = None  # every rank's heads (layout.py)
-        self._lock = threading.Lock()  # guards the three result sets and _saving
+        self._lock = threading.Lock()  # the three result sets, _saving, _budget_used
         self._saved: set[str] = set()
         self._loaded: set[str] = set()
         self._failed: dict[str, int] = {}
         self._saving: dict[str, int] = {}  # request id -> save batches in flight
         self._started: set[str] = set()  # producer: requests whose first chunk ran
+        self._store_from: dict[str, int] = {}  # request id -> first block it loaded
+        self._budget_used = 0  # decode's save bytes in flight (under _lock)
         self._step: Optional[tuple[list, torch.Tensor, torch.Tensor, bytearray]] = None
         self._sem: Optional[asyncio.Semaphore] = None
         # request id -> (num_computed_tokens it was asked for, the lookup's future)
@@ -105,7 +125,12 @@ class StoreKVConnector(KVConnector):
 
     @property
     def consumes(self) -> bool:
-        return self.config.role in ("consumer", "both")
+        return self.config.role in ("consumer", "both") or self.config.reuse
+
+    @property
+    def saves_finished(self) -> bool:
+        """A consumer that stores what its finished requests computed (decode with reuse)."""
+        return self.config.role == "consumer" and self.config.reuse
 
     # -- scheduler side --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Optional[int]:
@@ -151,15 +176,71 @@ class StoreKVConnector(KVConnector):
         bs = self.codec.block_size
         first, last = num_computed_tokens // bs, (num_computed_tokens + num_external_tokens) // bs
         keys = list(request.block_hashes[first:last])
+        self._store_from.setdefault(request.request_id, first)
         self.io.submit(self._load(request.request_id, keys, list(block_ids[first:last])))
 
     def request_finished(self, request, block_ids) -> bool:
-        self._started.discard(request.request_id)
-        pending = self._lookups.pop(request.request_id, None)
+        rid = request.request_id
+        self._started.discard(rid)
+        self._store_from.pop(rid, None)
+        pending = self._lookups.pop(rid, None)
         if pending is not None:
             pending[1].cancel()
+        if self._should_save_finished(request):
+            n = min(request.num_computed_tokens // self.codec.block_size,
+                    len(request.block_hashes), len(block_ids))
+            if n:
+                with self._lock:
+                    self._save_started(rid)
+                self.io.submit(self._backfill(rid, list(request.block_hashes[:n]),
+                                              list(block_ids[:n]), budgeted=True))
         with self._lock:
-            return self._saving.get(request.request_id, 0) > 0
+            return self._saving.get(rid, 0) > 0
+
+    def _should_save_finished(self, request) -> bool:
+        return self._may_save(request) and request.status == RequestStatus.FINISHED
+
+    def _may_save(self, request) -> bool:
+        return (self.saves_finished and self.config.save_budget_bytes > 0
+                and request.kv_transfer.store_output)
+
+    def request_preempted(self, request, block_ids) -> None:
+        """Copy the full blocks of a preempted decode request into one staging buffer now
+        (its blocks are freed right after), then put those the store lacks."""
+        if not self._may_save(request):
+            return
+        bs, size = self.codec.block_size, self.codec.nbytes
+        n = min(request.num_computed_tokens // bs, len(request.block_hashes), len(block_ids))
+        with self._lock:  # reserve the budget here: the copy is made on this thread
+            n = min(n, (self.config.save_budget_bytes - self._budget_used) // size)
+            self._budget_used += max(n, 0) * size
+        if n <= 0:
+            return
+        buf = bytearray(n * size)
+        view = self._staging_view(buf, n)
+        ids = torch.tensor(block_ids[:n], dtype=torch.long)
+        for layer in range(len(self.kv_caches)):  # every rank's heads (layout.py)
+            self.heads.copy_layer_into(view[:, layer], layer, ids)  # [n, 2, bs, kvh, d]
+        self.io.submit(self._save_copied(list(request.block_hashes[:n]), buf))
+
+    async def _save_copied(self, keys: list[bytes], buf: bytearray) -> None:
+        size = self.codec.nbytes
+        try:
+            try:
+                have = await self.store.prefix_lookup(keys)
+            except Exception as exc:
+                self._note_failure("preempted:" + type(exc).__name__)
+                have = len(keys)
+            whole = memoryview(buf)
+            items = []
+            for j in range(have, len(keys)):
+                view = whole[j * size:(j + 1) * size]
+                view[:HEADER_SIZE] = self.codec.header(keys[j], view[HEADER_SIZE:])
+                items.append(("", keys[j], view))
+            await self._put_many(items, [])
+        finally:
+            with self._lock:
+                self._budget_used -= len(keys) * size
 
     # -- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
@@ -176,8 +257,10 @@ class StoreKVConnector(KVConnector):
         for req, n, block_ids in batch:
             c = req.num_computed_tokens
             if c and req.request_id not in self._started:  # first chunk after a local hit
-                self._start_backfill(req.request_id, req.block_hashes[:c // bs],
-                                     block_ids[:c // bs])
+                local = min(c // bs, self._store_from.get(req.request_id, c // bs))
+                if local:  # (blocks loaded from the store are there already)
+                    self._start_backfill(req.request_id, req.block_hashes[:local],
+                                         block_ids[:local])
             self._started.add(req.request_id)
             for i in range(c // bs, (c + n) // bs):
                 staged.append((req.request_id, req.block_hashes[i], block_ids[i]))
@@ -260,21 +343,40 @@ class StoreKVConnector(KVConnector):
             items.append((rid, key, view))
         await self._put_many(items, [rid for rid, _, _ in items])  # one count per block
 
-    async def _backfill(self, rid: str, keys: list[bytes], block_ids: list[int]) -> None:
-        """Store the blocks a producer found in its local prefix cache but the store lacks
-        (evicted there, or never saved): read them straight from the cache, which holds them
-        until this is done."""
+    async def _backfill(self, rid: str, keys: list[bytes], block_ids: list[int],
+                        budgeted: bool = False) -> None:
+        """Store the blocks the store lacks among `keys` (a producer's local prefix-cache
+        hits, evicted there or never saved; a finished decode request's blocks): read them
+        straight from the cache, which holds them until this is done. `budgeted`: at most
+        save_budget_bytes of these saves are encoded at once (the leading blocks that fit)."""
         try:
             have = await self.store.prefix_lookup(keys)
         except Exception as exc:
             self._note_failure("backfill:" + type(exc).__name__)
             have = len(keys)
-        items = []
-        for key, block_id in zip(keys[have:], block_ids[have:]):
-            block = self.heads.read_block(block_id)
-            items.append((rid, key, self.codec.encode_into(key, block,
-                                                           bytearray(self.codec.nbytes))))
-        await self._put_many(items, [rid])  # one count for the whole backfill
+        todo = list(zip(keys[have:], block_ids[have:]))
+        reserved = 0
+        if budgeted and todo:
+            with self._lock:
+                room = (self.config.save_budget_bytes - self._budget_used) // self.codec.nbytes
+                if room < len(todo):
+                    self.stats.saves_over_budget += 1
+                    todo = todo[:max(room, 0)]
+                reserved = len(todo) * self.codec.nbytes
+                self._budget_used += reserved
+        try:
+            items = []
+            try:
+                for key, block_id in todo:
+                    block = self.heads.read_block(block_id)
+                    items.append((rid, key, self.codec.encode_into(
+                        key, block, bytearray(self.codec.nbytes))))
+            except Exception as exc:  # noqa: BLE001 - save what was encoded; never leak
+                self._note_failure("backfill:" + type(exc).__name__)
+            await self._put_many(items, [rid])  # one count for the whole backfill
+        finally:
+            with self._lock:
+                self._budget_used -= reserved
 
     async def _put_many(self, items, done: list[str]) -> None:
         """Put (request id, key, encoded view) items, then mark `done` (one entry per count

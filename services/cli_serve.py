@@ -134,6 +134,8 @@ def _disagg_up_args(up: argparse.ArgumentParser) -> None:
     g.add_argument("--redis-port", type=int, default=0, help="0 -> a free port")
     g.add_argument("--kv-capacity-mib", type=int, default=1024, help="storage node segment")
     g.add_argument("--kv-transport", choices=["auto", "ucx", "tcp"], default="auto")
+    g.add_argument("--kv-reuse", action=argparse.BooleanOptionalAction, default=True,
+                   help="KV reuse on the engines (docs/kv-reuse.md)")
     g.add_argument("--min-prefill-tokens", type=int, default=0,
                    help="fewer uncached prompt tokens: decode computes them, no prefill")
 
@@ -149,6 +151,9 @@ def _kv_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a saved block is safe from eviction")
     p.add_argument("--kv-load-timeout", type=float, default=10.0,
                    help="a KV load slower than this is given up and recomputed")
+    p.add_argument("--kv-reuse", action=argparse.BooleanOptionalAction, default=True,
+                   help="KV reuse (docs/kv-reuse.md): prefill also loads the stored prefix, "
+                        "decode also saves what its finished requests computed")
     p.add_argument("--kv-block-secret-file", default="",
                    help="file with the block secret every engine and the router share: "
                         "keys and MACs of stored blocks (default: "
@@ -229,7 +234,8 @@ def _run_engine(args) -> int:
         memory_budget_bytes=args.memory_budget_bytes,
         enable_prefix_caching=not args.no_prefix_caching,
         kv_store=args.kv_store, kv_transport=args.kv_transport, kv_lease_s=args.kv_lease,
-        kv_load_timeout_s=args.kv_load_timeout, kv_block_secret_file=args.kv_block_secret_file,
+        kv_load_timeout_s=args.kv_load_timeout, kv_reuse=args.kv_reuse,
+        kv_block_secret_file=args.kv_block_secret_file,
         metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint, device=args.device,
         drain_timeout_s=args.drain_timeout,

@@ -187,6 +187,8 @@ def _engine(args, log_dir: Path, e: _Engine, store: str, registry: str,
     if store:
         words += ["--kv-store", store, "--kv-transport", args.kv_transport,
                   "--kv-block-secret-file", kv_secrets.block]
+        if not args.kv_reuse:
+            words.append("--no-kv-reuse")
     if registry:
         words += ["--registry", registry]
     if e.cpus and shutil.which("taskset"):  # pinned from exec on, before any thread starts

@@ -11,6 +11,8 @@ Scheduler side (called by the Scheduler, single-threaded, between steps)
 - `update_state_after_alloc(request, block_ids, num_computed_tokens, num_external_tokens)`: the
   scheduler allocated blocks for those tokens; the connector starts loading them. The request
   waits in WAITING_FOR_KV until the load is reported finished or failed.
+- `request_preempted(request, block_ids)`: the scheduler is about to free a preempted
+  request's blocks; the connector may copy them out now, never read them later.
 - `request_finished(request, block_ids) -> bool`: True when the connector still reads those
   blocks (a save in flight); the engine then keeps them allocated until `get_finished` reports
   the request among the finished saves.
@@ -50,6 +52,9 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     def request_finished(self, request: "Request", block_ids: list[int]) -> bool:
         ...
+
+    def request_preempted(self, request: "Request", block_ids: list[int]) -> None:
+        """Before a preempted request's blocks are freed (copy them now or never)."""
 
     # -- worker side -----------------------------------------------------------------------
     @abc.abstractmethod

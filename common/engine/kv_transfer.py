@@ -16,6 +16,9 @@ class KVTransferParams:
     the prompt's blocks exist (it still falls back to recomputation when a load fails)."""
 
     block_keys: tuple[bytes, ...] = ()
+    # False opts the request out of decode's finish-time save of its blocks (KV reuse,
+    # docs/kv-reuse.md); a prefill instance may still save its prompt.
+    store_output: bool = True
 
     def __post_init__(self):
         keys = tuple(self.block_keys)

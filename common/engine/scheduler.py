@@ -254,6 +254,8 @@ class Scheduler:
             self.waiting.appendleft(req)
 
     def _preempt(self, req: Request) -> None:
+        if self.connector is not None:  # (it may copy the blocks out before they go)
+            self.connector.request_preempted(req, self.kv.block_ids(req.request_id))
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -273,8 +275,9 @@ class Scheduler:
         elif not loading and req in self.waiting:
             self.waiting.remove(req)
         req.transition(status)
-        if loading or (self.connector is not None and self.connector.request_finished(
-                req, self.kv.block_ids(request_id))):
+        saving = self.connector is not None and self.connector.request_finished(
+            req, self.kv.block_ids(request_id))  # (told even while loading: it forgets req)
+        if loading or saving:
             self.held[request_id] = req  # the connector still uses its blocks
         else:
             self._reclaim(req)

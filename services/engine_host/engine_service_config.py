@@ -36,6 +36,7 @@ class EngineServiceConfig:
     kv_transport: str = "auto"  # how to reach the storage nodes: auto | ucx | tcp
     kv_lease_s: float = 30.0  # stored blocks are not evicted for this long
     kv_load_timeout_s: float = 10.0  # a slower load is given up and recomputed
+    kv_reuse: bool = True  # prefill also loads from the store, decode saves finished requests
     kv_block_secret_file: str = ""  # keys/MACs of stored blocks (docs/kvstore-security.md)
     metrics_port: int = 0  # Prometheus /metrics over HTTP on `host`; 0 -> no endpoint
     otlp_endpoint: str = ""  # OTLP/gRPC trace collector; "" -> $OTEL_EXPORTER_OTLP_ENDPOINT
@@ -99,4 +100,5 @@ class EngineServiceConfig:
             return None
         return KVStoreSettings(self.kv_store, ROLE_TO_KV[self.role], self.kv_transport,
                                lease_s=self.kv_lease_s, load_timeout_s=self.kv_load_timeout_s,
-                               block_secret_file=self.kv_block_secret_file, tls=self.tls)
+                               block_secret_file=self.kv_block_secret_file, tls=self.tls,
+                               reuse=self.kv_reuse)

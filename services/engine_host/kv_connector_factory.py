@@ -33,6 +33,7 @@ class KVStoreSettings:
     max_inflight: int = 8
     block_secret_file: str = ""  # keys/MACs of stored blocks; "" -> $PDSERVE_KV_BLOCK_SECRET_FILE
     tls: TlsConfig = TlsConfig()  # this engine's certificate for the master's gRPC
+    reuse: bool = True  # KV reuse (docs/kv-reuse.md): prefill loads, decode saves too
 
     def __post_init__(self):
         host, sep, port = self.master_addr.rpartition(":")
@@ -46,7 +47,7 @@ class KVStoreSettings:
     def connector_config(self) -> ConnectorConfig:
         return ConnectorConfig(role=self.role, lease_s=self.lease_s,
                                load_timeout_s=self.load_timeout_s,
-                               max_inflight=self.max_inflight)
+                               max_inflight=self.max_inflight, reuse=self.reuse)
 
     def store_client_config(self) -> StoreClientConfig:
         """The store client's deadlines and block secret (docs/kvstore-security.md)."""

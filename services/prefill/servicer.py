@@ -16,6 +16,7 @@ import uuid
 import grpc
 
 from pdserve.common.detokenizer import IncrementalDetokenizer
+from pdserve.common.engine.kv_transfer import KVTransferParams
 from pdserve.common.engine.outputs import FinishReason
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
@@ -55,11 +56,14 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         try:
             params = params_from_proto(request.params, salt)
             prompt = list(request.prompt_token_ids)
-            check_engine_request(self._limits, request.request_id, prompt, params)
+            check_engine_request(self._limits, request.request_id, prompt, params,
+                                 block_keys=request.block_keys)
             one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+            # the router's store lookup: loaded without asking the store again
+            hint = KVTransferParams(tuple(request.block_keys)) if request.block_keys else None
             # The engine's key is ours: a caller's id is only a label (it could name another
             # caller's request).
-            stream = await self._engine.submit(uuid.uuid4().hex, prompt, one)
+            stream = await self._engine.submit(uuid.uuid4().hex, prompt, one, kv_transfer=hint)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:

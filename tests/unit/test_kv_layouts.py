@@ -80,13 +80,15 @@ def test_prefill_and_decode_in_different_layouts_equal_colocated_tp1(
         first = run(prefill, [(f"r{i}", p, FIRST, None) for i, p in enumerate(PROMPTS)])
     finally:
         prefill.close()
-    assert len(store.objects) == sum(len(p) // BS for p in PROMPTS)
+    stored = sum(len(p) // BS for p in PROMPTS)
+    assert len(store.objects) == stored
     decode = engine(tiny, decode_tp, store, "consumer")
     try:
         rest = run(decode, [(f"r{i}", p, GREEDY, first[f"r{i}"][0])
                             for i, p in enumerate(PROMPTS)])
         stats = decode.connector.stats
-        assert stats.blocks_loaded == len(store.objects) and stats.load_failures == 0
+        # every prompt block loaded (decode may then save its answers' blocks too: KV reuse)
+        assert stats.blocks_loaded == stored and stats.load_failures == 0
     finally:
         decode.close()
     assert {r: first[r] + rest[r] for r in rest} == reference

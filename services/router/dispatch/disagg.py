@@ -10,8 +10,9 @@ The decision, per engine request (each outcome counted in pdserve_router_disagg_
    `min_prefill_tokens` tokens are uncached ("short"), when the least-queued prefill
    instance has more than `max_prefill_queue_tokens` prompt tokens queued ("prefill_busy"),
    or when no prefill instance is up ("no_prefill"). Otherwise: "prefill".
-3. Prefill on the instance the prefill policy picks (which saves the prompt's blocks before
-   it answers), then hand its first token and block keys to a decode instance the decode
+3. Prefill on the instance the prefill policy picks, telling it which leading blocks the
+   store holds (it loads them, computes the rest and saves the new blocks before it
+   answers), then hand its first token and block keys to a decode instance the decode
    policy picks (HandOffStream; decode_open retries another decode before its first token).
 4. The ladder: a prefill that fails or times out is retried on another prefill instance (up
    to `prefill_retries`, with backoff); then the whole prompt goes to a decode instance.
@@ -65,7 +66,7 @@ class DisaggRouter:
         decision = self._decide(len(r.prompt), keys, stored, block_size)
         self.metrics.disagg_decisions.labels(decision).inc()
         if decision == "prefill":
-            first = await self._prefill(r, route, keys or (), t0)
+            first = await self._prefill(r, route, keys or (), stored, t0)
             if first is not None:
                 delta, handed_keys, breakdown = first
                 req = decode_request(r, first_token_id=delta.token_ids[0],
@@ -96,11 +97,14 @@ class DisaggRouter:
             return "prefill_busy"
         return "prefill"
 
-    async def _prefill(self, r: EngineRequest, route: RouteRequest, keys, t0: float):
+    async def _prefill(self, r: EngineRequest, route: RouteRequest, keys, stored: int,
+                       t0: float):
         """(first Delta, block keys, breakdown) from a prefill instance, trying others after
-        failures; None when none could (the caller falls back to decode)."""
+        failures; None when none could (the caller falls back to decode). The `stored`
+        leading keys go along: prefill loads them without asking the store again."""
         req = pb.PrefillRequest(request_id=r.request_id, prompt_token_ids=r.prompt,
-                                params=r.params_proto, cache_salt=r.cache_salt)
+                                params=r.params_proto, cache_salt=r.cache_salt,
+                                block_keys=keys[:stored])
         tried: tuple[Backend, ...] = ()
         fb = self.cfg.fallback
         for attempt in range(fb.prefill_retries + 1):
