@@ -26,7 +26,8 @@ def build_sampling_params(body, max_tokens: int, logprobs: Optional[int], max_st
     structured = structured_output_of(body)
     if tool_constraint is not None:
         if structured is not None:
-            raise bad_request("a tool call and a structured-output constraint exclude each "
+            raise bad_request("tool_choice (a tool call) and a structured-output constraint "
+                              "(response_format, structured_outputs, guided_*) exclude each "
                               "other", param="tool_choice")
         structured = tool_constraint
     stop = body.stop
