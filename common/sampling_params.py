@@ -15,6 +15,8 @@ from typing import Optional
 from pdserve.common.structured_output import StructuredOutput
 
 MAX_STOP_TOKEN_IDS = 1024  # a client cannot make every step scan an unbounded list
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI's own limit is 300)
+MAX_BIAS = 100.0  # OpenAI's range for one bias: [-100, 100]
 MAX_TOKEN_ID = 2 ** 32 - 1  # proto uint32
 GREEDY_TEMPERATURE = 1e-5  # below this, 1/T overflows fp32 arithmetic: treat as greedy
 
@@ -51,12 +53,15 @@ class SamplingParams:
     min_tokens: int = 0
     cache_salt: Optional[str] = None
     structured_output: Optional[StructuredOutput] = None  # a grammar the output must follow
+    # (token id, bias) pairs added to the logits before sampling, sorted by id, ids unique
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._check_logit_bias()
         self._check_types()
         _require(self.max_tokens > 0, "max_tokens", "an integer > 0", self.max_tokens)
         _require(self.temperature >= 0, "temperature", ">= 0", self.temperature)
@@ -86,6 +91,26 @@ class SamplingParams:
         _require(self.structured_output is None
                  or isinstance(self.structured_output, StructuredOutput), "structured_output",
                  "a StructuredOutput or None", self.structured_output)
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = bias.items()
+        try:
+            pairs = tuple(sorted((t, b) for t, b in bias))
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to numbers, got "
+                             f"{self.logit_bias!r}") from None
+        _require(len(pairs) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} entries",
+                 len(pairs))
+        _require(all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t, _ in pairs), "logit_bias",
+                 f"keyed by token ids in [0, {MAX_TOKEN_ID}]", [t for t, _ in pairs][:8])
+        _require(len({t for t, _ in pairs}) == len(pairs), "logit_bias", "keyed by unique ids",
+                 "a repeated id")
+        _require(all(_is_finite(b) and -MAX_BIAS <= b <= MAX_BIAS for _, b in pairs),
+                 "logit_bias", f"biases in [-{MAX_BIAS:g}, {MAX_BIAS:g}]",
+                 next((b for _, b in pairs if not (_is_finite(b) and abs(b) <= MAX_BIAS)), None))
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in pairs))
 
     def _check_types(self) -> None:
         """Types first: NaN fails every comparison and inf passes one-sided bounds, so each

@@ -44,7 +44,7 @@ class StructuredOutput:
         if k == StructuredKind.JSON_SCHEMA:
             try:
                 schema = json.loads(self.spec)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise ValueError("structured_output json_schema must be valid JSON") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("structured_output json_schema must be a JSON object")

@@ -61,6 +61,8 @@ class Sampler:
         raw = logits
         if any(r.params.needs_penalties for r in reqs):
             logits = apply_penalties(logits.clone(), reqs)
+        if any(r.params.logit_bias for r in reqs):
+            logits = _apply_logit_bias(logits if logits is not raw else raw.clone(), reqs)
         logits = _suppress_min_tokens(logits, reqs)
         if any(r.params.structured_output is not None for r in reqs):
             logits = self._mask_grammars(logits if logits is not raw else raw.clone(), reqs)
@@ -141,6 +143,23 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     freq = torch.tensor([r.params.frequency_penalty for r in reqs]).unsqueeze(1)
     pres = torch.tensor([r.params.presence_penalty for r in reqs]).unsqueeze(1)
     return logits - freq * out_counts - pres * (out_counts > 0)
+
+
+def _apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """In place on logits [N, V]: each request's biases added to its row (OpenAI's
+    logit_bias; ids past the vocabulary are never produced, so they are skipped)."""
+    v = logits.shape[-1]
+    rows, cols, vals = [], [], []
+    for i, r in enumerate(reqs):
+        for token_id, bias in r.params.logit_bias:
+            if token_id < v:
+                rows.append(i)
+                cols.append(token_id)
+                vals.append(bias)
+    if rows:
+        logits.index_put_((torch.tensor(rows), torch.tensor(cols)),
+                          torch.tensor(vals, dtype=logits.dtype), accumulate=True)
+    return logits
 
 
 def _suppress_min_tokens(logits, reqs) -> torch.Tensor:

@@ -13,6 +13,7 @@ from pdserve.common.engine.outputs import (EngineStats, FinishReason, RequestOut
                                            TokenLogprob)
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.structured_output import StructuredKind, StructuredOutput
 
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
              "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs")
@@ -63,6 +64,9 @@ def check_engine_request(limits: EngineLimits, request_id: str, prompt_ids: Sequ
            _out_of(prompt_ids, vocab))
     _bound(_ids_in(params.stop_token_ids, vocab), "stop_token_ids", f"ids in [0, {vocab})",
            _out_of(params.stop_token_ids, vocab))
+    bias_ids = [t for t, _ in params.logit_bias]
+    _bound(_ids_in(bias_ids, vocab), "logit_bias", f"keyed by ids in [0, {vocab})",
+           _out_of(bias_ids, vocab))
     if first_token_id is not None:
         _bound(0 <= first_token_id < vocab, "first_token_id", f"in [0, {vocab})",
                first_token_id)
@@ -112,12 +116,13 @@ def params_from_proto(msg: pb.SamplingParams, cache_salt: Optional[str] = None) 
         include_stop_str_in_output=msg.include_stop_str_in_output,
         min_tokens=msg.min_tokens,
         cache_salt=cache_salt,
+        structured_output=(structured_from_proto(msg.structured_output)
+                           if msg.HasField("structured_output") else None),
+        logit_bias=tuple(msg.logit_bias.items()),
     )
 
 
 def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
-    if p.structured_output is not None:  # refused, not silently dropped
-        raise ValueError("structured_output is not carried over gRPC yet")
     msg = pb.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
         min_p=p.min_p, repetition_penalty=p.repetition_penalty,
@@ -128,7 +133,33 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.structured_output is not None:
+        msg.structured_output.CopyFrom(structured_to_proto(p.structured_output))
+    for token_id, bias in p.logit_bias:
+        msg.logit_bias[token_id] = bias
     return msg
+
+
+def structured_from_proto(msg: pb.StructuredOutput) -> StructuredOutput:
+    """Raises ValueError for an empty oneof or a spec StructuredOutput refuses (too long,
+    not JSON, too many choices)."""
+    which = msg.WhichOneof("constraint")
+    if which is None:
+        raise ValueError("structured_output must set one constraint")
+    if which == "json_object":
+        return StructuredOutput(StructuredKind.JSON_OBJECT)
+    if which == "choice":
+        return StructuredOutput(StructuredKind.CHOICE, choices=tuple(msg.choice.choices))
+    return StructuredOutput(StructuredKind(which), spec=getattr(msg, which))
+
+
+def structured_to_proto(so: StructuredOutput) -> pb.StructuredOutput:
+    k = so.kind
+    if k == StructuredKind.JSON_OBJECT:
+        return pb.StructuredOutput(json_object=pb.StructuredOutput.JsonObject())
+    if k == StructuredKind.CHOICE:
+        return pb.StructuredOutput(choice=pb.StructuredOutput.Choices(choices=so.choices))
+    return pb.StructuredOutput(**{k.value: so.spec})
 
 
 def logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:

@@ -19,6 +19,7 @@ from pdserve.common.engine.outputs import (EngineStats, FinishReason, RequestOut
 class FakeTokenizer:
     eos_token_ids = (0,)
     vocab_size = 256
+    chat_template = None  # renders no tools
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

@@ -20,12 +20,21 @@ MSGS = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 REFUSED = [  # (endpoint, extra fields, the param the 400 names)
-    ("chat", {"logit_bias": {"5": 10}}, "logit_bias"),
-    ("completions", {"logit_bias": {"5": -100}}, "logit_bias"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"tools": [TOOL]}, "tools"),
-    ("chat", {"tool_choice": "required"}, "tool_choice"),
-    ("chat", {"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),  # out of [-100, 100]
+    ("completions", {"logit_bias": {"five": -100}}, "logit_bias"),
+    ("completions", {"logit_bias": {"9999999": 1}}, "logit_bias"),  # past the vocabulary
+    ("chat", {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ("chat", {"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    ("chat", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ("chat", {"guided_json": "{not json"}, "guided_json"),
+    ("completions", {"tools": [TOOL]}, "tools"),  # chat only
+    ("chat", {"tools": [TOOL]}, "tool_choice"),  # auto: the template renders no tools
+    ("chat", {"tool_choice": "required"}, "tool_choice"),  # without tools
+    ("chat", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {
+        "name": "g"}}}, "tool_choice"),  # not among the tools
+    ("chat", {"tools": [TOOL, TOOL], "tool_choice": "required"}, "tools"),  # same name
+    ("chat", {"tools": [TOOL], "tool_choice": "required",
+              "response_format": {"type": "json_object"}}, "tool_choice"),
     ("chat", {"functions": [TOOL["function"]]}, "functions"),
     ("chat", {"function_call": "auto"}, "function_call"),
     ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
@@ -33,7 +42,7 @@ REFUSED = [  # (endpoint, extra fields, the param the 400 names)
     ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
     ("completions", {"suffix": "end"}, "suffix"),
-    ("completions", {"echo": True}, "echo"),
+    ("completions", {"echo": True, "logprobs": 1}, "echo"),  # no prompt logprobs
     ("completions", {"best_of": 3}, "best_of"),
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),  # stream false
     ("chat", {"frobnicate": 1}, "frobnicate"),
@@ -50,6 +59,12 @@ REFUSED = [  # (endpoint, extra fields, the param the 400 names)
 ACCEPTED = [  # no-op values of refused fields, ignored fields, implemented ones
     ("chat", {"logit_bias": None, "tools": [], "tool_choice": "none",
               "response_format": {"type": "text"}, "modalities": ["text"]}),
+    ("chat", {"logit_bias": {"5": 10}, "parallel_tool_calls": False,
+              "tools": [TOOL], "tool_choice": "none"}),
+    ("chat", {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": True}),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}, "strict": True}}}),
+    ("completions", {"structured_outputs": {"choice": ["a", "b"]}, "echo": True}),
     ("chat", {"metadata": {"team": "a"}, "store": False, "service_tier": "auto",
               "prompt_cache_key": "k", "safety_identifier": "s"}),
     ("chat", {"messages": [{"role": "user", "content": "hi"},

@@ -111,6 +111,6 @@ def test_a_grammar_that_does_not_compile_is_refused_at_arrival(llm):
         SamplingParams(structured_output={"type": "regex"})
 
 
-def test_not_silently_dropped_on_the_wire():
-    with pytest.raises(ValueError, match="structured_output"):
-        params_to_proto(SamplingParams(structured_output=StructuredOutput(K.JSON_OBJECT)))
+def test_carried_on_the_wire():
+    msg = params_to_proto(SamplingParams(structured_output=StructuredOutput(K.JSON_OBJECT)))
+    assert msg.structured_output.WhichOneof("constraint") == "json_object"

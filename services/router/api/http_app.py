@@ -137,7 +137,7 @@ async def _generate(request: Request, state: RouterState, endpoint: str, body_ty
         meta = new_meta(prefix, body.model or state.config.model_name,
                         bool(body.logprobs is not None and body.logprobs is not False),
                         include_usage)
-        form = form_type(meta, state.text_of)
+        form = form_type.create(meta, state.text_of, body, state.tokenizer)
         if body.stream:
             response = _RunResponse(run, _counted(stream_events(run, form, deadline), state),
                                     media_type="text/event-stream",

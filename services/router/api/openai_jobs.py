@@ -10,14 +10,16 @@ from pdserve.services.router.api.openai_protocol import ChatCompletionRequest, C
 from pdserve.services.router.api.prompts import (chat_prompt, check_length, completion_prompts,
                                              message_dicts)
 from pdserve.services.router.api.sampling import build_sampling_params, check_token_ids
+from pdserve.services.router.api.tools import tool_plan
 from pdserve.services.router.state import RouterState
 
 
 def completion_job(body: CompletionRequest, state: RouterState, request_id: str) -> Job:
     state.check_model(body.model)
     _check_stream_options(body)
-    if body.echo:
-        raise bad_request("echo is not supported (it needs prompt logprobs)", param="echo",
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported: the engine does not compute "
+                          "prompt logprobs; use echo without logprobs", param="echo",
                           code="unsupported_parameter")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request(f"best_of must equal n ({body.n}): ranking extra candidates is not "
@@ -42,8 +44,10 @@ def chat_job(body: ChatCompletionRequest, state: RouterState, request_id: str) -
     check_length([ids], max_len, "messages")
     max_tokens = _chat_max_tokens(body, len(ids), max_len, state.config.default_chat_max_tokens)
     logprobs = _chat_logprobs(body)
+    plan = tool_plan(body, state.tokenizer.chat_template)
     params = build_sampling_params(body, max_tokens, logprobs, state.config.max_stop,
-                                   state.config.limits, state.vocab_size)
+                                   state.config.limits, state.vocab_size,
+                                   plan.constraint if plan is not None else None)
     return fan_out(request_id, [ids], params, body.n, state.config.max_n, body.cache_salt)
 
 

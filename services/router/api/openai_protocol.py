@@ -3,7 +3,8 @@
 No field is silently ignored. Each top-level field is one of:
 - implemented: a field of the models below (OpenAI's, and vLLM's extras: top_k, min_p,
   repetition_penalty, stop_token_ids, min_tokens, ignore_eos, include_stop_str_in_output,
-  cache_salt, add_generation_prompt);
+  cache_salt, add_generation_prompt, structured_outputs and guided_*: structured.py; tools:
+  tools.py);
 - refused: an OpenAI field pdserve does not implement (UNSUPPORTED): a 400 that names it,
   unless it carries its no-op value (null, or the value that changes nothing, e.g.
   response_format {"type": "text"} or tool_choice "none");
@@ -20,6 +21,8 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.services.router.api.errors import bad_request
+from pdserve.services.router.api.structured import StructuredFields
+from pdserve.services.router.api.tools import ToolFields
 
 # OpenAI fields that never change what is generated: accepted and ignored.
 IGNORED = frozenset({"metadata", "store", "service_tier", "prompt_cache_key",
@@ -36,12 +39,7 @@ def _empty(v) -> bool:
 
 # OpenAI fields pdserve does not implement -> the test for their no-op value.
 UNSUPPORTED = {
-    "logit_bias": _empty,
     "suffix": _empty,
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "tools": _empty,
-    "tool_choice": lambda v: v is None or v == "none",
-    "parallel_tool_calls": _none,
     "functions": _empty,
     "function_call": lambda v: v is None or v == "none",
     "audio": _none,
@@ -50,11 +48,6 @@ UNSUPPORTED = {
     "web_search_options": _none,
     "reasoning_effort": _none,
     "verbosity": _none,
-    "guided_json": _none,
-    "guided_regex": _none,
-    "guided_choice": _none,
-    "guided_grammar": _none,
-    "structured_outputs": _none,
 }
 
 # Fields of a chat message that pdserve does not implement (tool and audio turns): allowed
@@ -88,7 +81,7 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False  # vLLM's; only False is served
 
 
-class _Sampling(_Body):
+class _Sampling(StructuredFields, _Body):
     """Parameters common to completions and chat completions."""
 
     model: Optional[str] = None
@@ -111,13 +104,14 @@ class _Sampling(_Body):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # session affinity (when no affinity header is sent)
     cache_salt: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None  # token id (as text) -> bias in [-100, 100]
 
 
 class CompletionRequest(_Sampling):
     # A string, a list of strings (one completion each), token ids, or a list of those.
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = None  # top-N alternatives per token
-    echo: bool = False  # only false is served (echo needs prompt logprobs)
+    echo: bool = False  # the prompt precedes the completion (not with logprobs)
     best_of: Optional[int] = None  # only n is served (the same choices)
 
 
@@ -139,7 +133,7 @@ class ChatMessage(_Body):
     annotations: Optional[Any] = None
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(ToolFields, _Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False

@@ -17,6 +17,7 @@ from pdserve.services.router.api.deadline import iterate_within
 from pdserve.services.router.api.errors import APIError
 from pdserve.services.router.dispatch.job import prompt_tokens
 from pdserve.services.router.dispatch.job_run import JobRun
+from pdserve.services.router.api.tools import ToolPlan, new_call_id, parse_call, tool_plan
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,33 @@ class CompletionFormat:
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def __init__(self, meta: ResponseMeta, text_of: fmt.TokenText):
+    def __init__(self, meta: ResponseMeta, text_of: fmt.TokenText,
+                 echo: Optional[list[str]] = None, n: int = 1):
+        """`echo`: each prompt's text, put before its choices' completions (choice i
+        answers prompt i // n)."""
         self.meta, self.text_of = meta, text_of
+        self._echo, self._n = echo, n
+
+    @classmethod
+    def create(cls, meta: ResponseMeta, text_of: fmt.TokenText, body, tokenizer):
+        if not body.echo:
+            return cls(meta, text_of)
+        p = body.prompt
+        if isinstance(p, str):
+            texts = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            texts = [tokenizer.decode(p, skip_special_tokens=False)]
+        else:
+            texts = [x if isinstance(x, str) else tokenizer.decode(x, skip_special_tokens=False)
+                     for x in p]
+        return cls(meta, text_of, texts, body.n)
+
+    def _echoed(self, index: int) -> str:
+        return self._echo[index // self._n] if self._echo else ""
 
     def opening(self, index: int) -> list[dict]:
-        return []
+        echo = self._echoed(index)
+        return [self.chunk(index, echo, None, None)] if echo else []
 
     def logprobs(self, delta: Delta, offset: int) -> Optional[dict]:
         if not self.meta.logprobs:
@@ -52,13 +75,24 @@ class CompletionFormat:
                                     finish_reason, m.include_usage)
 
     def choice(self, index: int, text: str, logprobs, finish_reason) -> dict:
-        return {"index": index, "text": text, "logprobs": logprobs,
+        return {"index": index, "text": self._echoed(index) + text, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
 
 class ChatFormat(CompletionFormat):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, meta: ResponseMeta, text_of: fmt.TokenText,
+                 tool: Optional[ToolPlan] = None):
+        super().__init__(meta, text_of)
+        self._tool = tool
+        self._calls: dict[int, str] = {}  # choice index -> its call id, once streamed
+        self._texts: dict[int, str] = {}  # choice index -> output so far ("required" only)
+
+    @classmethod
+    def create(cls, meta: ResponseMeta, text_of: fmt.TokenText, body, tokenizer):
+        return cls(meta, text_of, tool_plan(body, tokenizer.chat_template))
 
     def opening(self, index: int) -> list[dict]:
         m = self.meta
@@ -69,15 +103,53 @@ class ChatFormat(CompletionFormat):
     def logprobs(self, delta: Delta, offset: int) -> Optional[dict]:
         return fmt.chat_logprobs(delta.logprobs, self.text_of) if self.meta.logprobs else None
 
-    def chunk(self, index: int, text: str, logprobs, finish_reason) -> dict:
+    def chunk(self, index: int, text: str, logprobs, finish_reason) -> Optional[dict]:
+        """None: nothing to send yet (a "required" tool call streams once it is whole)."""
+        if self._tool is not None:
+            delta, finish_reason = self._tool_delta(index, text, finish_reason)
+            if delta is None:
+                return None
+        else:
+            delta = {"content": text} if text or finish_reason is None else {}
         m = self.meta
-        delta = {"content": text} if text or finish_reason is None else {}
         return fmt.chat_chunk(m.id, m.created, m.model, index, delta, logprobs, finish_reason,
                               m.include_usage)
 
+    def _tool_delta(self, index: int, text: str, finish_reason):
+        """OpenAI's tool-call deltas: the first carries id, type and name, the rest only
+        argument text. A named function streams its arguments as they come."""
+        if self._tool.name is None:  # the name is inside the output: wait for all of it
+            whole = self._texts.get(index, "") + text
+            self._texts[index] = whole
+            if finish_reason is None:
+                return None, None
+            call = parse_call(self._tool, whole)
+            if call is None:
+                return {"content": whole}, finish_reason
+            return {"tool_calls": [_call_json(new_call_id(), *call, 0)]}, "tool_calls"
+        reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        if not text:
+            return ({} if finish_reason is not None else None), reason
+        if index in self._calls:
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}, reason
+        self._calls[index] = new_call_id()
+        return {"tool_calls": [_call_json(self._calls[index], self._tool.name, text, 0)]}, reason
+
     def choice(self, index: int, text: str, logprobs, finish_reason) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs, "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        call = parse_call(self._tool, text) if self._tool is not None else None
+        if call is not None:
+            message = {"role": "assistant", "content": None,
+                       "tool_calls": [_call_json(new_call_id(), *call)]}
+            finish_reason = "tool_calls"
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+
+def _call_json(call_id: str, name: str, arguments: str, index: Optional[int] = None) -> dict:
+    call = {"id": call_id, "type": "function", "function": {"name": name,
+                                                            "arguments": arguments}}
+    return call if index is None else {"index": index, **call}
 
 
 class _Usage:
@@ -111,6 +183,8 @@ async def stream_events(run: JobRun, form: CompletionFormat, deadline: Optional[
             lps = form.logprobs(delta, offsets[index])
             offsets[index] += len(delta.text)
             chunk = form.chunk(index, delta.text, lps, delta.finish_reason)
+            if chunk is None:
+                continue
             if delta.breakdown:  # the bench reads it from the last chunk
                 chunk[BREAKDOWN_KEY] = breakdown = delta.breakdown
             yield fmt.sse(chunk)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.sampling_params import MAX_BIAS, MAX_LOGIT_BIAS, SamplingParams
+from pdserve.common.structured_output import StructuredOutput
 from pdserve.services.common.convert import MAX_TOKEN_COUNT
 from pdserve.services.router.api.errors import bad_request
+from pdserve.services.router.api.structured import structured_output_of
 from pdserve.services.router.limits_config import LimitsConfig
 
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -17,7 +19,17 @@ _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_pena
 
 def build_sampling_params(body, max_tokens: int, logprobs: Optional[int], max_stop: int,
                           limits: LimitsConfig = LimitsConfig(),
-                          vocab_size: Optional[int] = None) -> SamplingParams:
+                          vocab_size: Optional[int] = None,
+                          tool_constraint: Optional[StructuredOutput] = None) -> SamplingParams:
+    """`tool_constraint`: the grammar of a tool call (tools.py), exclusive with the body's
+    own structured-output fields."""
+    structured = structured_output_of(body)
+    if tool_constraint is not None:
+        if structured is not None:
+            raise bad_request("tool_choice (a tool call) and a structured-output constraint "
+                              "(response_format, structured_outputs, guided_*) exclude each "
+                              "other", param="tool_choice")
+        structured = tool_constraint
     stop = body.stop
     stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
     if len(stop) > max_stop:
@@ -50,6 +62,8 @@ def build_sampling_params(body, max_tokens: int, logprobs: Optional[int], max_st
         logprobs=logprobs,
         min_tokens=body.min_tokens,
         cache_salt=body.cache_salt,
+        structured_output=structured,
+        logit_bias=_logit_bias(body.logit_bias, vocab_size),
     )
     try:
         params = SamplingParams(**kw)
@@ -78,10 +92,31 @@ def check_params(params: SamplingParams, limits: LimitsConfig,
         raise bad_request(f"stop_token_ids may list at most {limits.max_stop_token_ids} ids, "
                           f"got {len(params.stop_token_ids)}", param="stop_token_ids")
     check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+    check_token_ids([t for t, _ in params.logit_bias], vocab_size, "logit_bias")
     if params.logprobs is not None and params.logprobs > limits.max_logprobs:
         raise bad_request(f"logprobs must be at most {limits.max_logprobs}, got "
                           f"{params.logprobs}", param="logprobs")
     check_text(params.cache_salt, limits.max_salt_chars, "cache_salt")
+
+
+def _logit_bias(bias: Optional[dict], vocab_size: Optional[int]) -> tuple:
+    """OpenAI's {"token id": bias} as sorted (id, bias) pairs; 400 naming logit_bias."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias may map at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}",
+                          param="logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}",
+                              param="logit_bias")
+        if not (math.isfinite(value) and -MAX_BIAS <= value <= MAX_BIAS):
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {value}",
+                              param="logit_bias")
+        pairs.append((int(key), value))
+    check_token_ids([t for t, _ in pairs], vocab_size, "logit_bias")
+    return tuple(pairs)
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: Optional[int], param: str) -> None:
