@@ -99,6 +99,8 @@ class LinkProxy:
 @dataclass
 class FaultStack:
     http_url: str
+    master: str  # the KV store master's address
+    log_dir: Path
     children: dict[str, Child] = field(default_factory=dict)
     ready: dict[str, Callable[[], bool]] = field(default_factory=dict)
     proxies: dict[str, LinkProxy] = field(default_factory=dict)  # decode name -> its relay
@@ -116,7 +118,7 @@ class FaultStack:
         wait_until(self.ready[name], child, timeout_s, threading.Event())
 
     def _start(self, name: str, argv: list[str], ready: Callable[[], bool]) -> None:
-        child = Child(name, argv, self._log_dir)
+        child = Child(name, argv, self.log_dir)
         child.start()
         self.children[name], self.ready[name] = child, ready
         wait_until(ready, child, 120, threading.Event())
@@ -138,9 +140,8 @@ def _ports(n: int) -> list[int]:
 def fault_stack(log_dir: Path, router_args=(), engine_args=TINY_ENGINE_ARGS):
     log_dir.mkdir(parents=True, exist_ok=True)
     rp, mp, hp, gp, pp, d0, d1 = _ports(7)
-    stack = FaultStack(f"http://{HOST}:{hp}")
-    stack._log_dir = log_dir
-    master = f"{HOST}:{mp}"
+    stack = FaultStack(f"http://{HOST}:{hp}", f"{HOST}:{mp}", log_dir)
+    master = stack.master
     try:
         redis_dir = log_dir / "redis"
         redis_dir.mkdir(exist_ok=True)

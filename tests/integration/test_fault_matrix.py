@@ -28,6 +28,7 @@ import pytest
 
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.tokenizer import Tokenizer
+from pdserve.tests.integration.disagg_helpers import _store_nodes as store_nodes
 from pdserve.tests.integration.fault_stack import fault_stack
 from pdserve.tests.integration.services_helpers import offline_engine
 
@@ -62,7 +63,7 @@ def _body(i: int, stream: bool) -> dict:
 
 
 def complete(url: str, i: int) -> tuple[str, str]:
-    """("ok", text) of a whole 200 answer, or ("error", message) of a clean 5xx error."""
+    """("ok", text) of a whole 200 answer, or ("error", "") of a clean 5xx error."""
     r = httpx.post(url + "/v1/completions", json=_body(i, False), timeout=DEADLINE_S)
     body = r.json()
     if r.status_code == 200:
@@ -71,19 +72,27 @@ def complete(url: str, i: int) -> tuple[str, str]:
         assert body["usage"]["completion_tokens"] == MAX_TOKENS, body
         return "ok", choice["text"]
     assert r.status_code >= 500 and body["error"]["message"], (r.status_code, body)
-    return "error", body["error"]["message"]
+    return "error", ""
 
 
 def stream(url: str, i: int, streaming: threading.Event) -> tuple[str, str]:
     """("ok", text) of a stream that ended with finish_reason "length" and [DONE], or
-    ("error", message) of one that ended in an error event (or a 5xx before it started)."""
+    ("error", text so far) of one that ended in an error event (or a 5xx before it started).
+    `streaming` is set once it streamed some text (or ended)."""
+    try:
+        return _stream(url, i, streaming)
+    finally:
+        streaming.set()
+
+
+def _stream(url: str, i: int, streaming: threading.Event) -> tuple[str, str]:
     text, finish = "", None
     with httpx.stream("POST", url + "/v1/completions", json=_body(i, True),
                       timeout=DEADLINE_S) as r:
         if r.status_code != 200:
             body = json.loads(r.read())
             assert r.status_code >= 500 and body["error"]["message"], (r.status_code, body)
-            return "error", body["error"]["message"]
+            return "error", ""
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -93,7 +102,7 @@ def stream(url: str, i: int, streaming: threading.Event) -> tuple[str, str]:
             event = json.loads(line[6:])
             if "error" in event:
                 assert event["error"]["message"], event
-                return "error", event["error"]["message"]
+                return "error", text
             choice = event["choices"][0]
             text += choice["text"]
             finish = choice["finish_reason"] or finish
@@ -116,11 +125,12 @@ def _revive(stack, target: str, fault: str) -> None:
         stack.revive(target)
 
 
-def _wait_whole(url: str, text: str) -> None:
+def _wait_whole(stack, text: str) -> None:
+    """Until the stack answers right and the store has its node again."""
     deadline = time.monotonic() + RECOVER_S
     while True:
         try:
-            if complete(url, 0) == ("ok", text):
+            if complete(stack.http_url, 0) == ("ok", text) and store_nodes(stack.master) > 0:
                 return
         except (httpx.HTTPError, AssertionError):
             pass
@@ -131,7 +141,7 @@ def _wait_whole(url: str, text: str) -> None:
 @pytest.mark.parametrize("target,fault", CASES, ids=[f"{t}-{s}" for t, s in CASES])
 def test_fault(stack, texts, target, fault):
     url = stack.http_url
-    _wait_whole(url, texts[0])
+    _wait_whole(stack, texts[0])
     t0 = time.monotonic()
     events = [threading.Event() for _ in range(2)]
     with cf.ThreadPoolExecutor(4) as pool:
@@ -155,5 +165,7 @@ def test_fault(stack, texts, target, fault):
     for i, (kind, text) in outcomes.items():
         if kind == "ok":
             assert text == texts[i], f"request {i}: a 200 with the wrong text {text!r}"
+        else:  # what was streamed before the error is right
+            assert texts[i].startswith(text), f"request {i}: wrong text {text!r}"
     print(f"\n{target} {fault}: {elapsed:.1f}s {sorted(k for k, _ in outcomes.values())}")
-    _wait_whole(url, texts[0])
+    _wait_whole(stack, texts[0])
