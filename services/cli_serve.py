@@ -151,23 +151,21 @@ def _kv_args(p: argparse.ArgumentParser) -> None:
 
 
 def _registry_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--registry", default="", help="redis://HOST:PORT/DB: heartbeat this "
-                   "instance's address, role and load there (routers watching it use it)")
-    p.add_argument("--advertise-address", default="",
-                   help="host:port routers dial (default: --host:--port)")
+    from pdserve.services.registry.config import Registration as R
 
-
-def _registry_env(args) -> None:
-    """The engine service reads its registry settings from the environment (as in a pod
-    spec), so the flags become variables (services/registry/config.py)."""
-    import os
-
-    from pdserve.services.registry.config import ENV_ADDRESS, ENV_URL
-
-    if getattr(args, "registry", ""):
-        os.environ[ENV_URL] = args.registry
-    if getattr(args, "advertise_address", ""):
-        os.environ[ENV_ADDRESS] = args.advertise_address
+    g = p.add_argument_group("instance registry")
+    g.add_argument("--registry", default=R.url, metavar="URL",
+                   help="redis://[:PASSWORD@]HOST:PORT/DB: heartbeat this instance's address, "
+                        "role, model and load there (routers watching it use it); with a "
+                        "password give @FILE. Empty: no registry")
+    g.add_argument("--advertise-address", default=R.advertise_address, metavar="HOST:PORT",
+                   help="the address routers dial, e.g. the pod IP (empty: --host:--port, "
+                        "a wildcard host replaced by this host's address)")
+    g.add_argument("--registry-interval", type=float, default=R.interval_s,
+                   help="seconds between heartbeats")
+    g.add_argument("--registry-ttl", type=float, default=R.ttl_s,
+                   help="seconds an entry outlives its last heartbeat (a crashed instance "
+                        "drops out after this)")
 
 
 def engine_argv(args, cpus: Optional[str] = None, threads: Optional[int] = None) -> list[str]:
@@ -206,9 +204,9 @@ def _run_engine(args) -> int:
     from pdserve.common.engine.cli import parallel_config
     from pdserve.services.common.tls_args import tls_from_args
     from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
+    from pdserve.services.registry.config import Registration
 
     _setup_logging()
-    _registry_env(args)
     cfg = EngineServiceConfig(
         role=args.role, host=args.host, port=args.port, model=args.model,
         tiny_seed=args.tiny_seed, num_threads=args.num_threads,
@@ -222,6 +220,8 @@ def _run_engine(args) -> int:
         metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint, device=args.device,
         drain_timeout_s=args.drain_timeout,
+        registration=Registration(args.registry, args.advertise_address,
+                                  args.registry_interval, args.registry_ttl),
         attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm, weights=args.weights,
         parallel=parallel_config(args),
         tls=tls_from_args(args, "prefill" if args.role == "prefill" else "decode"))
@@ -249,9 +249,10 @@ def _addresses(text: str) -> tuple[str, ...]:
 def _run_up(args) -> int:
     from pdserve.services.launcher import run_up
 
-    for name in ("replicas", "prefill", "decode"):
-        if not 1 <= getattr(args, name) <= 64:
-            raise ValueError(f"--{name} must be in [1, 64], got {getattr(args, name)}")
+    for name, value in (("replicas", args.replicas), ("prefill", args.prefill),
+                        ("decode", args.decode)):
+        if not 1 <= value <= 64:
+            raise ValueError(f"--{name} must be in [1, 64], got {value}")
     return run_up(args)
 
 
