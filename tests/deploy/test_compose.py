@@ -305,13 +305,19 @@ def test_observability_scrapes_router_and_engines_and_provisions_grafana():
     base = load_compose()
     merged = merge_override(base, load_compose(SCALE), COMPOSE_DIR)
     engines = _engines(merged)
-    sds = jobs["pdserve-engines"]["dns_sd_configs"]
-    assert {n for sd in sds for n in sd["names"]} == set(engines)
-    for sd in sds:
+    assert job["static_configs"][0]["labels"] == {"role": "router"}
+    seen = set()
+    for role in ("prefill", "decode"):  # the dashboard groups engine series by `role`
+        engine_job = jobs[f"pdserve-{role}"]
+        assert engine_job["relabel_configs"] == [{"target_label": "role", "replacement": role}]
+        (sd,) = engine_job["dns_sd_configs"]
         assert sd["type"] == "A"
         for name in sd["names"]:
-            var = f"{engines[name].service.upper()}_METRICS_PORT"
+            assert engines[name].service == role, name
+            var = f"{role.upper()}_METRICS_PORT"
             assert engines[name].metrics_port == sd["port"] == int(example[var]), name
+        seen |= set(sd["names"])
+    assert seen == set(engines)
     grafana = base["services"]["grafana"]
     assert grafana["profiles"] == ["observability"]
     mounts = {v.split(":")[0]: v.split(":")[1] for v in grafana["volumes"]}

@@ -91,6 +91,8 @@ def test_podmonitors_scrape_router_and_engines_on_declared_ports(chart):
         pod_labels = workloads(docs)[name]["spec"]["template"]["metadata"]["labels"]
         assert pm["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
         endpoint = pm["spec"]["podMetricsEndpoints"][0]
+        role = name.removeprefix(f"{FULL}-")  # decode's role is decode by default
+        assert endpoint["relabelings"] == [{"targetLabel": "role", "replacement": role}]
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
         if endpoint["port"] == "metrics":  # the engine serves its metrics there
