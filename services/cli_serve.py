@@ -21,12 +21,14 @@ def add_subcommands(subparsers) -> None:
                     help="colocated: one unified engine (prefill and decode in one process); "
                          "disagg: redis, KV store, prefill, decode and router processes")
     up.add_argument("--model", default="smollm2", help="smollm2, tiny, a GGUF file or HF dir")
-    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="address every service binds")
     up.add_argument("--port", type=int, default=8000, help="router HTTP (OpenAI API)")
     up.add_argument("--grpc-port", type=int, default=50051, help="router gRPC (Generate)")
     up.add_argument("--engine-port", type=int, default=0, help="engine gRPC; 0 -> a free port")
     up.add_argument("--log-dir", default=None, help="default: a new folder under /tmp")
-    up.add_argument("--startup-timeout", type=float, default=300.0)
+    up.add_argument("--startup-timeout", type=float, default=300.0,
+                    help="seconds each service may take to become healthy")
     up.add_argument("--insecure", action="store_true", help="plaintext gRPC between the "
                     "services (default: mutual TLS with a fresh CA made for this run)")
     up.add_argument("--tls-dir", default="", help="use these certificates (`pdserve certs "
@@ -46,15 +48,20 @@ def add_subcommands(subparsers) -> None:
     which = serve.add_subparsers(dest="service", required=True)
     router = which.add_parser("router", help="OpenAI-compatible HTTP + gRPC router")
     router.add_argument("--model", default="smollm2", help="where the tokenizer comes from")
-    router.add_argument("--served-model-name", default="")
+    router.add_argument("--served-model-name", default="",
+                        help="model name clients send and /v1/models lists (empty: --model)")
     router.add_argument("--backends", default="127.0.0.1:50061",
                         help="comma-separated host:port (or dns:NAME:PORT) of unified engine "
                              "instances; may be empty with --registry")
-    router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--host", default="127.0.0.1",
+                        help="address the HTTP and gRPC APIs bind")
+    router.add_argument("--port", type=int, default=8000,
+                        help="OpenAI-compatible HTTP API port")
     router.add_argument("--grpc-port", type=int, default=50051, help="-1 -> no gRPC API")
-    router.add_argument("--health-interval", type=float, default=1.0)
-    router.add_argument("--max-n", type=int, default=8)
+    router.add_argument("--health-interval", type=float, default=1.0,
+                        help="seconds between health/load polls of each instance")
+    router.add_argument("--max-n", type=int, default=8,
+                        help="largest `n` (choices per request) accepted; more: 400")
     router.add_argument("--prefill-backends", default="",
                         help="comma-separated host:port of prefill instances: disaggregated "
                              "mode (--backends are then decode instances; needs --kv-store)")
@@ -74,10 +81,15 @@ def add_subcommands(subparsers) -> None:
     for name, port, roles in (("decode", 50061, ["unified", "decode"]),
                               ("prefill", 50071, ["prefill"])):
         p = which.add_parser(name, help=f"{name} engine instance (gRPC)")
-        p.add_argument("--role", choices=roles, default=roles[0])
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--port", type=int, default=port)
-        p.add_argument("--model", default="smollm2")
+        p.add_argument("--role", choices=roles, default=roles[0],
+                       help="unified: whole requests; decode: continues from prefill's KV; "
+                            "prefill: prompts only")
+        p.add_argument("--host", default="127.0.0.1",
+                       help="address the engine's gRPC server binds")
+        p.add_argument("--port", type=int, default=port,
+                       help="engine gRPC port")
+        p.add_argument("--model", default="smollm2",
+                       help="smollm2, tiny, a GGUF file or a Hugging Face folder")
         _engine_args(p)
         _kv_args(p)
         _registry_args(p)
@@ -95,18 +107,25 @@ def add_subcommands(subparsers) -> None:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tiny-seed", type=int, default=0)
+    p.add_argument("--tiny-seed", type=int, default=0,
+                   help="weights seed of --model tiny (engines and router must agree)")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per engine")
     p.add_argument("--cpus", default="", help="pin the engine to cores, e.g. 0,1")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="longest prompt + completion in tokens")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="sequences in one engine batch at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens one engine step computes at most (chunked prefill)")
     p.add_argument("--itl-target-ms", type=float, default=0.0,
                    help="adapt the per-step token budget (up to --max-num-batched-tokens) so "
                         "steps carrying decodes take about this long; 0 -> fixed budget")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV cache block (the store and the router's cache keys use it)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV cache blocks (default: from --kv-cache-bytes or the free memory)")
+    p.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="KV cache size in bytes (default: a share of the free memory)")
     p.add_argument("--memory-budget-bytes", type=int, default=None,
                    help="weights + activation peak + KV cache of one engine; the KV gets what "
                         "is left (`up` default: each engine's share of the host's memory)")
@@ -133,7 +152,8 @@ def _disagg_up_args(up: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-store-port", type=int, default=0, help="store master; 0 -> free")
     g.add_argument("--redis-port", type=int, default=0, help="0 -> a free port")
     g.add_argument("--kv-capacity-mib", type=int, default=1024, help="storage node segment")
-    g.add_argument("--kv-transport", choices=["auto", "ucx", "tcp"], default="auto")
+    g.add_argument("--kv-transport", choices=["auto", "ucx", "tcp"], default="auto",
+                   help="how engines reach the KV store's nodes (auto: UCX where available)")
     g.add_argument("--kv-reuse", action=argparse.BooleanOptionalAction, default=True,
                    help="KV reuse on the engines (docs/kv-reuse.md)")
     g.add_argument("--min-prefill-tokens", type=int, default=0,
@@ -161,23 +181,21 @@ def _kv_args(p: argparse.ArgumentParser) -> None:
 
 
 def _registry_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--registry", default="", help="redis://HOST:PORT/DB: heartbeat this "
-                   "instance's address, role and load there (routers watching it use it)")
-    p.add_argument("--advertise-address", default="",
-                   help="host:port routers dial (default: --host:--port)")
+    from pdserve.services.registry.config import Registration as R
 
-
-def _registry_env(args) -> None:
-    """The engine service reads its registry settings from the environment (as in a pod
-    spec), so the flags become variables (services/registry/config.py)."""
-    import os
-
-    from pdserve.services.registry.config import ENV_ADDRESS, ENV_URL
-
-    if getattr(args, "registry", ""):
-        os.environ[ENV_URL] = args.registry
-    if getattr(args, "advertise_address", ""):
-        os.environ[ENV_ADDRESS] = args.advertise_address
+    g = p.add_argument_group("instance registry")
+    g.add_argument("--registry", default=R.url, metavar="URL",
+                   help="redis://[:PASSWORD@]HOST:PORT/DB: heartbeat this instance's address, "
+                        "role, model and load there (routers watching it use it); with a "
+                        "password give @FILE. Empty: no registry")
+    g.add_argument("--advertise-address", default=R.advertise_address, metavar="HOST:PORT",
+                   help="the address routers dial, e.g. the pod IP (empty: --host:--port, "
+                        "a wildcard host replaced by this host's address)")
+    g.add_argument("--registry-interval", type=float, default=R.interval_s,
+                   help="seconds between heartbeats")
+    g.add_argument("--registry-ttl", type=float, default=R.ttl_s,
+                   help="seconds an entry outlives its last heartbeat (a crashed instance "
+                        "drops out after this)")
 
 
 def engine_argv(args, cpus: Optional[str] = None, threads: Optional[int] = None) -> list[str]:
@@ -220,9 +238,9 @@ def _run_engine(args) -> int:
     from pdserve.common.engine.cli import parallel_config
     from pdserve.services.common.tls_args import tls_from_args
     from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
+    from pdserve.services.registry.config import Registration
 
     _setup_logging()
-    _registry_env(args)
     cfg = EngineServiceConfig(
         role=args.role, host=args.host, port=args.port, model=args.model,
         tiny_seed=args.tiny_seed, num_threads=args.num_threads,
@@ -239,6 +257,8 @@ def _run_engine(args) -> int:
         metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint, device=args.device,
         drain_timeout_s=args.drain_timeout,
+        registration=Registration(args.registry, args.advertise_address,
+                                  args.registry_interval, args.registry_ttl),
         attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm, weights=args.weights,
         parallel=parallel_config(args),
         tls=tls_from_args(args, "prefill" if args.role == "prefill" else "decode"))
@@ -266,9 +286,10 @@ def _addresses(text: str) -> tuple[str, ...]:
 def _run_up(args) -> int:
     from pdserve.services.launcher import run_up
 
-    for name in ("replicas", "prefill", "decode"):
-        if not 1 <= getattr(args, name) <= 64:
-            raise ValueError(f"--{name} must be in [1, 64], got {getattr(args, name)}")
+    for name, value in (("replicas", args.replicas), ("prefill", args.prefill),
+                        ("decode", args.decode)):
+        if not 1 <= value <= 64:
+            raise ValueError(f"--{name} must be in [1, 64], got {value}")
     return run_up(args)
 
 

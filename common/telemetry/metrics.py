@@ -35,14 +35,17 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("pdserve_requests", "Requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
+        # Latency per priority tier (the request's x-priority after the key's cap, an integer
+        # in [-1000, 1000]): what SLO experiments split; sum by (le) for all tiers.
         self.ttft = Histogram("pdserve_time_to_first_token_seconds",
-                              "Request arrival to first generated token", buckets=_TTFT_BUCKETS,
-                              registry=r)
+                              "Request arrival to first generated token, by priority tier",
+                              ["priority"], buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("pdserve_inter_token_latency_seconds",
-                             "Time between consecutive generated tokens", buckets=_ITL_BUCKETS,
-                             registry=r)
+                             "Time between consecutive generated tokens, by priority tier",
+                             ["priority"], buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds",
-                             "Request arrival to last token", buckets=_E2E_BUCKETS, registry=r)
+                             "Request arrival to last token, by priority tier", ["priority"],
+                             buckets=_E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens received",
                                      registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens generated",
@@ -62,6 +65,8 @@ class RouterMetrics:
 
         self._disaggregation(r)
         self._routing(r)
+        for hist in (self.ttft, self.itl, self.e2e):
+            hist.labels("0")  # the default tier's series exist before its first request
         for counter, values in ((self.fallbacks, FALLBACK_RUNGS),
                                 (self.admission_rejected, ADMISSION_REJECTIONS),
                                 (self.disagg_decisions, DISAGG_DECISIONS),

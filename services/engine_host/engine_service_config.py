@@ -9,6 +9,7 @@ from pdserve.common.config import CacheConfig, EngineConfig, ParallelConfig, Sch
 from pdserve.services.common.tls import TlsConfig
 from pdserve.services.engine_host.health import ROLES
 from pdserve.services.engine_host.kv_connector_factory import ROLE_TO_KV, KVStoreSettings
+from pdserve.services.registry.config import Registration
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class EngineServiceConfig:
     grpc_max_concurrent_rpcs: int = 2048
     weights: str = EngineConfig.weights  # packed | fp32 (quantized GGUF matrices kept packed)
     tls: TlsConfig = TlsConfig()  # mutual TLS on the gRPC port; empty -> plaintext
+    registration: Registration = Registration()  # the instance registry; default: none
 
     def __post_init__(self):
         if self.role not in ROLES:

@@ -34,17 +34,23 @@ def _master_args(p: argparse.ArgumentParser) -> None:
     from pdserve.services.kvstore.config import MasterConfig
 
     d = MasterConfig()  # the one source of every default
-    p.add_argument("--host", default=d.host)
+    p.add_argument("--host", default=d.host,
+                   help="address the master's gRPC server binds")
     p.add_argument("--port", type=int, default=d.port, help="master gRPC port")
     p.add_argument("--redis-url", default=d.redis_url,
                    help="redis URL; with a password, prefer --redis-url-file (argv is public)")
     p.add_argument("--redis-url-file", default=d.redis_url_file,
                    help="file holding the redis URL with its password (wins over --redis-url)")
-    p.add_argument("--namespace", default=d.namespace)
-    p.add_argument("--replica-num", type=int, default=d.replica_num)
-    p.add_argument("--high-watermark", type=float, default=d.high_watermark)
-    p.add_argument("--low-watermark", type=float, default=d.low_watermark)
-    p.add_argument("--node-timeout", type=float, default=d.node_timeout_s)
+    p.add_argument("--namespace", default=d.namespace,
+                   help="Redis key prefix of this store's metadata")
+    p.add_argument("--replica-num", type=int, default=d.replica_num,
+                   help="copies of each object across nodes")
+    p.add_argument("--high-watermark", type=float, default=d.high_watermark,
+                   help="a node fuller than this share evicts ...")
+    p.add_argument("--low-watermark", type=float, default=d.low_watermark,
+                   help="... down to this share")
+    p.add_argument("--node-timeout", type=float, default=d.node_timeout_s,
+                   help="seconds without a heartbeat before a node (and its replicas) is dropped")
     p.add_argument("--put-timeout", type=float, default=d.put_timeout_s,
                    help="seconds before an unfinished put is revoked")
     p.add_argument("--read-lease", type=float, default=d.read_lease_s,
@@ -64,13 +70,16 @@ def _node_args(p: argparse.ArgumentParser, master_flag: bool) -> None:
     d = NodeConfig()
     if master_flag:
         p.add_argument("--master", default=d.master_addr, help="master host:port")
-        p.add_argument("--host", default=d.host)
+        p.add_argument("--host", default=d.host,
+                       help="address the node announces and binds")
         p.add_argument("--store-secret-file", default=d.store_secret_file,
                        help="file with the secret shared by master and nodes")
     p.add_argument("--node-port", type=int, default=d.port, help="transport port; 0 -> free")
     p.add_argument("--capacity-mib", type=int, default=d.capacity >> 20, help="segment size")
-    p.add_argument("--node-id", default=d.node_id)
-    p.add_argument("--transport", choices=["auto", "ucx", "tcp"], default=d.transport)
+    p.add_argument("--node-id", default=d.node_id,
+                   help="this node's name at the master (default: host name)")
+    p.add_argument("--transport", choices=["auto", "ucx", "tcp"], default=d.transport,
+                   help="how engines reach this node's segment (auto: UCX where available)")
     p.add_argument("--grant-skew", type=float, default=d.grant_skew_s,
                    help="seconds of clock difference with the master a capability tolerates")
 

@@ -8,11 +8,9 @@ mutates). Without it the heartbeat simply reports no local cache.
 
 from __future__ import annotations
 
-import os
 import socket
 from typing import Callable
 
-from pdserve.services.registry.config import ENV_ADDRESS, RegistryConfig
 from pdserve.services.registry.heartbeat import Heartbeat
 from pdserve.services.registry.record import PREFIX_BYTES, InstanceRecord
 
@@ -39,15 +37,15 @@ def engine_record_fn(engine, address: str, role: str, model: str, fingerprint: s
 
 
 async def engine_heartbeat(cfg, engine, port: int):
-    """Starts the heartbeat of an engine service when a registry is configured (environment,
-    see config.py); None otherwise. `cfg`: its EngineServiceConfig."""
-    reg = RegistryConfig.from_env()
+    """Starts the heartbeat of an engine service when its config names a registry; None
+    otherwise. `cfg`: its EngineServiceConfig (`cfg.registration`)."""
+    reg = cfg.registration.registry_config()
     if reg is None:
         return None
     host = cfg.host
     if host in ("0.0.0.0", "::", ""):  # a wildcard is no address to dial
         host = socket.gethostbyname(socket.gethostname())
-    address = os.environ.get(ENV_ADDRESS) or f"{host}:{port}"
+    address = cfg.registration.advertise_address or f"{host}:{port}"
     fingerprint = getattr(engine.core, "fingerprint", "") or ""
     snapshot = engine_record_fn(engine, address, cfg.role, cfg.model, fingerprint,
                                 cfg.block_size)

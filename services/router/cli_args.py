@@ -30,26 +30,34 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "docs/kvstore-security.md)")
     add_tls_args(p)  # the gRPC API and the channels to the engines and the store master
     r = p.add_argument_group("routing")
-    r.add_argument("--decode-policy", choices=POLICIES, default="kv_aware")
-    r.add_argument("--prefill-policy", choices=POLICIES, default="kv_aware")
+    r.add_argument("--decode-policy", choices=POLICIES, default="kv_aware",
+                   help="how a decode (or unified) instance is chosen; kv_aware: the most "
+                        "cached prefix, then load; round_robin: in turn")
+    r.add_argument("--prefill-policy", choices=POLICIES, default="kv_aware",
+                   help="how a prefill instance is chosen")
     r.add_argument("--kv-cost-weights", default="", help="store_hit=0.8,queue=1,running=16,"
                    "kv_usage=256 (any subset; see services/router/routing/cost.py)")
     r.add_argument("--session-affinity", action="store_true",
                    help="the same `user` / affinity header goes to the same instance")
-    r.add_argument("--affinity-header", default="x-session-id")
+    r.add_argument("--affinity-header", default="x-session-id",
+                   help="request header naming the session, with --session-affinity")
     a = p.add_argument_group("admission")
     a.add_argument("--max-prefilling", type=int, default=64,
                    help="requests dispatched without a first token yet; more queue")
-    a.add_argument("--max-queued", type=int, default=256)
-    a.add_argument("--max-queued-tokens", type=int, default=262144)
+    a.add_argument("--max-queued", type=int, default=256,
+                   help="requests waiting for admission at most; more: 429")
+    a.add_argument("--max-queued-tokens", type=int, default=262144,
+                   help="prompt tokens waiting for admission at most; more: 429")
     a.add_argument("--ttft-slo", type=float, default=0.0, help="default TTFT target in "
                    "seconds (x-ttft-slo-ms per request); a request estimated to miss it is "
                    "refused at once (429). 0: none")
     a.add_argument("--prefill-rate", type=float, default=2000.0,
                    help="first guess of prompt tokens/s until measured")
-    a.add_argument("--queue-timeout", type=float, default=60.0)
+    a.add_argument("--queue-timeout", type=float, default=60.0,
+                   help="seconds a request may wait for admission before a 429")
     a.add_argument("--rate-limit-rps", type=float, default=0.0, help="per API key; 0: off")
-    a.add_argument("--rate-limit-burst", type=float, default=0.0)
+    a.add_argument("--rate-limit-burst", type=float, default=0.0,
+                   help="requests a key may send at once above --rate-limit-rps (0: = rps)")
     a.add_argument("--rate-limit-tokens-per-s", type=float, default=0.0,
                    help="prompt + max tokens per key per second; 0: off")
     a.add_argument("--max-priority", type=int, default=AdmissionConfig.max_priority,
@@ -75,12 +83,18 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                      default=d.grpc_max_concurrent_rpcs,
                      help="gRPC calls served at once (RESOURCE_EXHAUSTED beyond)")
     f = p.add_argument_group("fallback ladder")
-    f.add_argument("--prefill-retries", type=int, default=1)
-    f.add_argument("--decode-retries", type=int, default=1)
-    f.add_argument("--retry-backoff", type=float, default=0.05)
-    f.add_argument("--breaker-failures", type=int, default=3)
-    f.add_argument("--breaker-open", type=float, default=5.0)
-    f.add_argument("--stream-idle-timeout", type=float, default=120.0)
+    f.add_argument("--prefill-retries", type=int, default=1,
+                   help="other prefill instances tried after a failed Prefill")
+    f.add_argument("--decode-retries", type=int, default=1,
+                   help="other decode instances tried before the first token")
+    f.add_argument("--retry-backoff", type=float, default=0.05,
+                   help="seconds before a retry (doubling)")
+    f.add_argument("--breaker-failures", type=int, default=3,
+                   help="failures in a row that take an instance out of rotation")
+    f.add_argument("--breaker-open", type=float, default=5.0,
+                   help="seconds an instance stays out before it is tried again")
+    f.add_argument("--stream-idle-timeout", type=float, default=120.0,
+                   help="seconds without a token before a stream is given up (then migrated)")
     f.add_argument("--max-migrations", type=int, default=3, help="times one stream may move "
                    "to another decode instance when its instance fails mid-stream (0: never)")
 

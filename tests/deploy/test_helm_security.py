@@ -187,6 +187,9 @@ CALLERS = {  # who may open connections to each component
 }
 
 
+METRICS_PORT = 9400  # values.ports.engineMetrics
+
+
 @pytest.mark.parametrize("scenario", ["default", "external-redis", "scale"])
 def test_network_policies_admit_only_the_callers(chart, scenario):
     docs, _ = render(chart, SCENARIOS[scenario])
@@ -203,7 +206,13 @@ def test_network_policies_admit_only_the_callers(chart, scenario):
         covered.add(target)
         declared = {p["containerPort"] for c in matches[0]["spec"]["containers"]
                     for p in c.get("ports", [])}
-        (rule,) = spec["ingress"]
+        rule, *metrics = spec["ingress"]
+        if target in ("prefill", "decode"):  # + the metrics port, for Prometheus
+            (scrape,) = metrics
+            assert [p["port"] for p in scrape["ports"]] == [METRICS_PORT] and "from" not in scrape
+            declared -= {METRICS_PORT}
+        else:
+            assert not metrics, target
         assert {p["port"] for p in rule["ports"]} == declared
         if target == "router":
             assert "from" not in rule  # clients: wherever its Service is exposed
@@ -218,6 +227,8 @@ def test_network_policies_admit_only_the_callers(chart, scenario):
     peer = [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]
     docs, _ = render(chart, {"networkPolicy": {"router": {"allowFrom": peer}}})
     assert by_kind(docs, "NetworkPolicy")[f"{FULL}-router"]["spec"]["ingress"][0]["from"] == peer
+    docs, _ = render(chart, {"networkPolicy": {"metrics": {"allowFrom": peer}}})
+    assert by_kind(docs, "NetworkPolicy")[f"{FULL}-decode"]["spec"]["ingress"][1]["from"] == peer
     docs, _ = render(chart, {"networkPolicy": {"enabled": False}})
     assert not by_kind(docs, "NetworkPolicy")
 

@@ -9,10 +9,13 @@ import sys
 import pytest
 
 HEAVY = ("torch", "matplotlib", "transformers")
-# Subcommands whose options are all described. The others' modules (serve *, up, generate,
-# bench offline/kv/transport) still have options without help; extend this set as they get it.
+# Subcommands whose options are all described: the services (serve *, up) and the benches
+# users run most. The others (generate, bench offline/kv/transport) still have options
+# without help; extend this set as they get it.
+SERVICES = {("up",), ("serve",), ("serve", "router"), ("serve", "decode"), ("serve", "prefill"),
+            ("serve", "kvstore"), ("serve", "kvstore-master"), ("serve", "kvstore-node")}
 DESCRIBED = {(), ("bench",), ("bench", "serve"), ("bench", "sweep"), ("bench", "compare"),
-             ("bench", "router")}
+             ("bench", "router")} | SERVICES
 
 
 def subcommand_paths(parser, prefix=()):
@@ -54,6 +57,7 @@ def test_every_option_has_help_and_the_formatter_shows_defaults(parser):
                 missing.append(" ".join(path + (action.option_strings[0]
                                                  if action.option_strings else action.dest,)))
     assert not missing, "options without help text:\n" + "\n".join(missing)
+    assert SERVICES <= {path for path, _ in subcommand_paths(parser)}  # no name drifted
 
 
 def test_help_of_every_subcommand_prints_defaults(parser, capsys):

@@ -33,19 +33,21 @@ def _cut_short(index: int) -> APIError:
 
 class JobRun:
     def __init__(self, job: Job, streams: list, metrics: RouterMetrics,
-                 arrival: float, ticket=None):
+                 arrival: float, ticket=None, priority: int = 0):
         self.job = job
         self._streams = streams
         self._ticket = ticket
-        self._latency = _LatencyTracker(metrics, arrival, len(streams), ticket)
+        self._latency = _LatencyTracker(metrics, arrival, len(streams), ticket, priority)
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(streams))
         self._pumps: list[asyncio.Task] = []
 
     @classmethod
     async def open(cls, open_stream, job: Job, metrics: RouterMetrics,
-                   arrival: Optional[float] = None, ticket=None) -> "JobRun":
+                   arrival: Optional[float] = None, ticket=None,
+                   priority: int = 0) -> "JobRun":
         """open_stream(request_id, prompt, params, cache_salt) -> a stream of Deltas with
-        cancel(). The ticket is released here when opening fails."""
+        cancel(). The ticket is released here when opening fails. `priority`: the admitted
+        tier, the label of the latency histograms."""
         arrival = time.monotonic() if arrival is None else arrival
         tasks = [asyncio.ensure_future(open_stream(
             f"{job.request_id}-{c.index}", list(c.prompt_token_ids), c.params,
@@ -61,7 +63,7 @@ class JobRun:
                 if not isinstance(r, BaseException):
                     r.cancel()
             raise
-        return cls(job, streams, metrics, arrival, ticket)
+        return cls(job, streams, metrics, arrival, ticket, priority)
 
     async def __aenter__(self):
         return self
@@ -115,8 +117,12 @@ class JobRun:
 class _LatencyTracker:
     """TTFT, inter-token latency and end-to-end latency, measured where the client sees them."""
 
-    def __init__(self, metrics: RouterMetrics, arrival: float, n: int, ticket=None):
+    def __init__(self, metrics: RouterMetrics, arrival: float, n: int, ticket=None,
+                 priority: int = 0):
         self._m = metrics
+        tier = str(priority)  # children looked up once, not per token
+        self._ttft, self._itl, self._e2e = (metrics.ttft.labels(tier), metrics.itl.labels(tier),
+                                            metrics.e2e.labels(tier))
         self._ticket = ticket
         self._arrival = arrival
         self._last: list[Optional[float]] = [None] * n
@@ -130,15 +136,15 @@ class _LatencyTracker:
             if last is None:
                 if not self._first_seen:  # the request's first token, over all choices
                     self._first_seen = True
-                    self._m.ttft.observe(now - self._arrival)
+                    self._ttft.observe(now - self._arrival)
                     if self._ticket is not None:
                         self._ticket.first_token()
             else:
                 gap = (now - last) / k  # a merged delta spreads its gap over its tokens
                 for _ in range(k):
-                    self._m.itl.observe(gap)
+                    self._itl.observe(gap)
             self._last[index] = now
             self._m.generation_tokens.inc(len(delta.token_ids))
         if delta.finish_reason is not None:
-            self._m.e2e.observe(now - self._arrival)
+            self._e2e.observe(now - self._arrival)
             self._m.prompt_tokens.inc(delta.num_prompt_tokens)

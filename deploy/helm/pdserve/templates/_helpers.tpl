@@ -246,3 +246,29 @@ the engines and the router (block keys and MACs). Each pod mounts only the one i
   mountPath: /etc/pdserve/kv
   readOnly: true
 {{- end -}}
+
+{{/* ---- Discovery (values.discovery): registry -> the engines register in Redis, the router
+watches it; both read the Redis URL (with its password) as a file, `--registry @FILE`. ---- */}}
+
+{{- define "pdserve.registryOn" -}}
+{{- if eq .Values.discovery "registry" -}}true{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.registryVolume" -}}
+{{- if include "pdserve.registryOn" . }}
+- name: registry-url
+  secret:
+    secretName: {{ include "pdserve.redisSecretName" . }}
+    defaultMode: 0440
+    items:
+      - {key: {{ include "pdserve.redisSecretKey" . }}, path: url}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.registryMount" -}}
+{{- if include "pdserve.registryOn" . }}
+- name: registry-url
+  mountPath: /etc/pdserve/registry
+  readOnly: true
+{{- end }}
+{{- end -}}
