@@ -34,6 +34,7 @@ from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.output_processor import OutputProcessor
 from pdserve.common.engine.outputs import EngineStats, FinishReason, RequestOutput
 from pdserve.common.engine.rank_model import allocate_kv_caches, build_rank_model, rank_device
+from pdserve.common.kv.dtype import kv_bytes_per_token, resolve_kv_cache_dtype
 from pdserve.common.engine.request import Request, RequestStatus
 from pdserve.common.engine.sampler import Sampler
 from pdserve.common.engine.scheduler import Scheduler
@@ -71,7 +72,8 @@ class EngineCore:
                                       "implemented yet (issue 15, KV hand-off across layouts)")
         cc = config.cache
         # ranks on one host share its memory (the budget covers all of them); GPUs have their own
-        per_token = cfg.kv_bytes_per_token
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype)
+        per_token = kv_bytes_per_token(cfg.kv_bytes_per_token, self.kv_dtype)
         if config.device != "cpu":  # the busiest rank holds the most KV heads
             per_token = per_token * kv_head_range(cfg.num_kv_heads, 0, tp_size)[1] \
                 // cfg.num_kv_heads
@@ -108,7 +110,8 @@ class EngineCore:
         device = rank_device(config.device, 0, tp_size)
         if tp_size == 1:
             model = build_rank_model(config, cfg, loaded.weights, SINGLE, device)
-            caches = allocate_kv_caches(cfg, (0, 1), num_blocks, config.cache.block_size, device)
+            caches = allocate_kv_caches(cfg, (0, 1), num_blocks, config.cache.block_size, device,
+                                        self.kv_dtype)
             return UniProcExecutor(ModelRunner(model, caches, config.cache.block_size, device))
         from pdserve.common.distributed.executor import WorkerGroup
 
@@ -121,7 +124,7 @@ class EngineCore:
             model = build_rank_model(config, cfg, loaded.weights,
                                      TensorParallel(0, tp_size, workers.comm), device)
             caches = allocate_kv_caches(cfg, (0, tp_size), num_blocks, config.cache.block_size,
-                                        device)
+                                        device, self.kv_dtype)
             workers.wait_ready()
         except BaseException:
             workers.close()

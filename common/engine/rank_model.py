@@ -31,11 +31,13 @@ def build_rank_model(config: EngineConfig, model_config: ModelConfig,
 
 
 def allocate_kv_caches(cfg: ModelConfig, tp: tuple[int, int], num_blocks: int,
-                       block_size: int, device: str) -> list[torch.Tensor]:
-    """One [2, blocks, block_size, this rank's KV heads, head_dim] tensor per layer (tp: rank,
-    size): this rank's heads of every block."""
+                       block_size: int, device: str, dtype: torch.dtype = torch.float32
+                       ) -> list[torch.Tensor]:
+    """One [2, blocks, block_size, this rank's KV heads, head_dim] tensor of `dtype` per layer
+    (tp: rank, size): this rank's heads of every block."""
     _, heads = kv_head_range(cfg.num_kv_heads, *tp)
-    return [torch.zeros(2, num_blocks, block_size, heads, cfg.head_dim, device=device)
+    return [torch.zeros(2, num_blocks, block_size, heads, cfg.head_dim, device=device,
+                        dtype=dtype)
             for _ in range(cfg.num_layers)]
 
 
