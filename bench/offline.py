@@ -29,7 +29,7 @@ import json
 import statistics
 import time
 
-from pdserve.common.config import KV_CACHE_DTYPES, ModelConfig
+from pdserve.common.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
 
 
 def add_offline_subcommand(sub) -> None:
@@ -49,6 +49,8 @@ def add_offline_subcommand(sub) -> None:
                    help="engine weights: packed GGUF blocks, fp32, or both side by side")
     p.add_argument("--memory-budget-bytes", type=int, default=1 << 30,
                    help="weights + KV budget for the KV-blocks comparison (not allocated)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="the engines' unquantized weights and activations (auto: fp32 on CPU)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="the engines' KV cache type; a half type adds an fp32-KV peer engine")
     p.add_argument("--seed", type=int, default=0)
@@ -183,7 +185,7 @@ def run_offline(args) -> int:
     def engine(m: str, kv_dtype: str):
         return LLM(EngineConfig(
             model=args.model, num_threads=args.num_threads, cpu_gemm=args.cpu_gemm, weights=m,
-            kv_cache_dtype=kv_dtype,
+            dtype=args.dtype, kv_cache_dtype=kv_dtype,
             cache=CacheConfig(num_blocks=tokens_needed // 16 + 2 * concurrency + 16),
             scheduler=SchedulerConfig(max_num_seqs=concurrency,
                                       max_num_batched_tokens=args.max_num_batched_tokens,
@@ -208,6 +210,7 @@ def run_offline(args) -> int:
             theirs.append(run_hf(hf, prompts, args.output_len, args.batch1, t))
     extra = weights_report(args, cfg, llms, ours, n_prompts * args.output_len)
     extra["kv_cache_dtype"] = str(llms[modes[0]].engine.kv_dtype).removeprefix("torch.")
+    extra["dtype"] = args.dtype
     if ours_fp32_kv:
         extra["fp32_kv_s"] = statistics.median(ours_fp32_kv)
         extra["half_kv_vs_fp32_kv"] = extra["fp32_kv_s"] / statistics.median(ours[modes[0]])

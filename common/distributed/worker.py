@@ -106,7 +106,7 @@ def _build(spec: WorkerSpec, comm):
     from pdserve.common.engine.model_runner import ModelRunner
     from pdserve.common.engine.rank_model import (allocate_kv_caches, build_rank_model,
                                                   rank_device)
-    from pdserve.common.kv.dtype import resolve_kv_cache_dtype
+    from pdserve.common.kv.dtype import engine_kv_dtype
     from pdserve.common.models.registry import load_model
 
     cfg = spec.config
@@ -121,7 +121,7 @@ def _build(spec: WorkerSpec, comm):
     del weights  # keep only this rank's shard
     caches = allocate_kv_caches(model_config, (spec.rank, spec.world_size), spec.num_blocks,
                                 cfg.cache.block_size, device,
-                                resolve_kv_cache_dtype(cfg.kv_cache_dtype))
+                                engine_kv_dtype(cfg))
     return ModelRunner(model, caches, cfg.cache.block_size, device)
 
 

@@ -34,7 +34,7 @@ from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.output_processor import OutputProcessor
 from pdserve.common.engine.outputs import EngineStats, FinishReason, RequestOutput
 from pdserve.common.engine.rank_model import allocate_kv_caches, build_rank_model, rank_device
-from pdserve.common.kv.dtype import kv_bytes_per_token, resolve_kv_cache_dtype
+from pdserve.common.kv.dtype import engine_kv_dtype, kv_bytes_per_token
 from pdserve.common.engine.request import Request, RequestStatus
 from pdserve.common.engine.sampler import Sampler
 from pdserve.common.engine.scheduler import Scheduler
@@ -72,7 +72,7 @@ class EngineCore:
                                       "implemented yet (issue 15, KV hand-off across layouts)")
         cc = config.cache
         # ranks on one host share its memory (the budget covers all of them); GPUs have their own
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype)
+        self.kv_dtype = engine_kv_dtype(config)
         per_token = kv_bytes_per_token(cfg.kv_bytes_per_token, self.kv_dtype)
         if config.device != "cpu":  # the busiest rank holds the most KV heads
             per_token = per_token * kv_head_range(cfg.num_kv_heads, 0, tp_size)[1] \

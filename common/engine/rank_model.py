@@ -10,6 +10,7 @@ from pdserve.common.attention.cpu_native import load_cpu_kernels
 from pdserve.common.config import EngineConfig, ModelConfig
 from pdserve.common.distributed.layout import TensorParallel, kv_head_range
 from pdserve.common.models.cpu_gemm import pack_linears, resolve_cpu_gemm
+from pdserve.common.models.dtype import resolve_dtype
 from pdserve.common.models.llama import LlamaForCausalLM
 
 
@@ -21,7 +22,10 @@ def build_rank_model(config: EngineConfig, model_config: ModelConfig,
     backend = get_attention_backend(config.attention_backend, device)
     model = LlamaForCausalLM(model_config, backend, tp)
     model.load_weights(weights.items())
-    model.to(device).eval()
+    dtype = resolve_dtype(config.dtype, device)
+    model.to(device=device, dtype=dtype).eval()  # floating-point tensors only: packed stay
+    if dtype != torch.float32:  # oneDNN packing and the native kernels are fp32-only
+        return model
     if resolve_cpu_gemm(config.cpu_gemm, device) == "onednn":
         pack_linears(model)
     native = load_cpu_kernels() if device == "cpu" else None
