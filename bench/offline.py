@@ -302,8 +302,9 @@ def report(args, cfg, n_prompts, concurrency, ours, theirs, extra: dict | None =
     if theirs:
         print(f"ratio pdserve/transformers: {res['ratio']:.2f}")
     if "fp32_kv_s" in res:
-        print(f"KV cache {res['kv_cache_dtype']}: {t_ours:.2f} s; fp32 KV: {res['fp32_kv_s']:.2f} s;"
-              f" ratio {res['kv_cache_dtype']}/fp32 KV (fp32-KV time / half-KV time): "
+        print(f"KV cache {res['kv_cache_dtype']}: {t_ours:.2f} s; "
+              f"fp32 KV: {res['fp32_kv_s']:.2f} s; ratio {res['kv_cache_dtype']}/fp32 KV "
+              f"(fp32-KV time / half-KV time): "
               f"{res['half_kv_vs_fp32_kv']:.2f}; ceiling fraction (fastest GEMM) with fp32 KV: "
               f"{res['ceiling_fraction_fastest_gemm_fp32_kv']:.2f}")
     print(f"ceiling fraction: {res['ceiling_fraction']:.2f}  (torch's fp32 matmul, GFLOP/s "

@@ -6,8 +6,8 @@ import argparse
 import json
 import logging
 
-from pdserve.common.config import (DTYPES, KV_CACHE_DTYPES, WEIGHTS_MODES, CacheConfig, EngineConfig,
-                                  ParallelConfig, SchedulerConfig)
+from pdserve.common.config import (DTYPES, KV_CACHE_DTYPES, WEIGHTS_MODES, CacheConfig,
+                                  EngineConfig, ParallelConfig, SchedulerConfig)
 from pdserve.common.sampling_params import SamplingParams
 
 

@@ -55,7 +55,8 @@ void dispatch_kv(const char* fn, at::ScalarType t, F&& f) {
     case at::kFloat: f(float{}); break;
     case at::kBFloat16: f(c10::BFloat16{}); break;
     case at::kHalf: f(c10::Half{}); break;
-    default: TORCH_CHECK_VALUE(false, fn, ": kv_cache must be float32, bfloat16 or float16, got ", t);
+    default:
+      TORCH_CHECK_VALUE(false, fn, ": kv_cache must be float32, bfloat16 or float16, got ", t);
   }
 }
 
