@@ -16,6 +16,10 @@ line printed is one JSON object.
 kept packed and expanded to fp32 (docs/packed-weights.md), and prints packed_vs_fp32 (fp32 time /
 packed time), each engine's resident weight bytes and the KV blocks each gets for the same
 --memory-budget-bytes.
+
+--kv-cache-dtype bfloat16|float16 runs the engines with a half KV cache (docs/half-precision.md)
+and, in the same repeats, an fp32-KV engine with the first weights mode as its peer: it prints
+half_kv_vs_fp32_kv (fp32-KV time / half-KV time) and ceiling_fraction_fastest_gemm_fp32_kv.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import json
 import statistics
 import time
 
-from pdserve.common.config import ModelConfig
+from pdserve.common.config import DTYPES, KV_CACHE_DTYPES, ModelConfig
 
 
 def add_offline_subcommand(sub) -> None:
@@ -45,6 +49,10 @@ def add_offline_subcommand(sub) -> None:
                    help="engine weights: packed GGUF blocks, fp32, or both side by side")
     p.add_argument("--memory-budget-bytes", type=int, default=1 << 30,
                    help="weights + KV budget for the KV-blocks comparison (not allocated)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="the engines' unquantized weights and activations (auto: fp32 on CPU)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the engines' KV cache type; a half type adds an fp32-KV peer engine")
     p.add_argument("--seed", type=int, default=0)
     from pdserve.common.engine.cli import add_parallel_args
     add_parallel_args(p)  # T > 1: against TP=1 with T x --num-threads threads (offline_tp.py)
@@ -173,13 +181,21 @@ def run_offline(args) -> int:
     prompts = random_prompts(n_prompts, args.input_len, cfg.vocab_size, args.seed)
     concurrency = 1 if args.batch1 else n_prompts
     tokens_needed = concurrency * (args.input_len + args.output_len)
-    llms = {m: LLM(EngineConfig(
-        model=args.model, num_threads=args.num_threads, cpu_gemm=args.cpu_gemm, weights=m,
-        cache=CacheConfig(num_blocks=tokens_needed // 16 + 2 * concurrency + 16),
-        scheduler=SchedulerConfig(max_num_seqs=concurrency,
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.input_len + args.output_len + 16)),
-        loaded=loaded[m]) for m in modes}
+
+    def engine(m: str, kv_dtype: str):
+        return LLM(EngineConfig(
+            model=args.model, num_threads=args.num_threads, cpu_gemm=args.cpu_gemm, weights=m,
+            dtype=args.dtype, kv_cache_dtype=kv_dtype,
+            cache=CacheConfig(num_blocks=tokens_needed // 16 + 2 * concurrency + 16),
+            scheduler=SchedulerConfig(max_num_seqs=concurrency,
+                                      max_num_batched_tokens=args.max_num_batched_tokens,
+                                      max_model_len=args.input_len + args.output_len + 16)),
+            loaded=loaded[m])
+
+    llms = {m: engine(m, args.kv_cache_dtype) for m in modes}
+    half_kv = args.kv_cache_dtype in ("bfloat16", "float16")
+    fp32_kv = engine(modes[0], "float32") if half_kv else None
+    ours_fp32_kv: list[float] = []
     hf = None if args.skip_hf else build_hf(dataclasses.replace(
         loaded[modes[0]], weights=expand_weights(loaded[modes[0]].weights)))
     ours: dict[str, list[float]] = {m: [] for m in modes}
@@ -188,22 +204,31 @@ def run_offline(args) -> int:
     for _ in range(args.repeats):  # interleaved, so drift hits all alike
         for m in modes:
             ours[m].append(run_ours(llms[m], prompts, args.output_len, args.batch1, t))
+        if fp32_kv is not None:
+            ours_fp32_kv.append(run_ours(fp32_kv, prompts, args.output_len, args.batch1, t))
         if hf is not None:
             theirs.append(run_hf(hf, prompts, args.output_len, args.batch1, t))
-    report(args, cfg, n_prompts, concurrency, ours[modes[0]], theirs,
-           weights_report(args, cfg, llms, ours, n_prompts * args.output_len))
+    extra = weights_report(args, cfg, llms, ours, n_prompts * args.output_len)
+    extra["kv_cache_dtype"] = str(llms[modes[0]].engine.kv_dtype).removeprefix("torch.")
+    extra["dtype"] = args.dtype
+    if ours_fp32_kv:
+        extra["fp32_kv_s"] = statistics.median(ours_fp32_kv)
+        extra["half_kv_vs_fp32_kv"] = extra["fp32_kv_s"] / statistics.median(ours[modes[0]])
+    report(args, cfg, n_prompts, concurrency, ours[modes[0]], theirs, extra)
     return 0
 
 
 def weights_report(args, cfg, llms, ours, n_out: int) -> dict:
     """Per weights mode: time, rate, resident weight bytes, KV blocks for the same budget."""
+    from pdserve.common.kv.dtype import kv_bytes_per_token
     from pdserve.common.kv.memory import plan_kv_blocks
     from pdserve.common.models.quant.cpu_native import load_packed_kernels
     by = {}
     for m, llm in llms.items():
         fp = llm.engine.weights_footprint
         t = statistics.median(ours[m])
-        blocks = plan_kv_blocks(cfg.kv_bytes_per_token, 16, weights=fp,
+        per_token = kv_bytes_per_token(cfg.kv_bytes_per_token, llm.engine.kv_dtype)
+        blocks = plan_kv_blocks(per_token, 16, weights=fp,
                                 memory_budget_bytes=args.memory_budget_bytes).num_blocks
         by[m] = {"s": t, "output_tok_s": n_out / t,
                  "weights_resident_mib": fp.resident_bytes / 2**20,
@@ -252,6 +277,8 @@ def report(args, cfg, n_prompts, concurrency, ours, theirs, extra: dict | None =
         t_hf = statistics.median(theirs)
         res.update(hf_s=t_hf, hf_output_tok_s=n_out / t_hf, ratio=t_hf / t_ours)
     res.update(extra or {})
+    if "fp32_kv_s" in res:
+        res["ceiling_fraction_fastest_gemm_fp32_kv"] = ideal_fast / res["fp32_kv_s"]
     rows = [("engine", "time s", "output tok/s"),
             ("pdserve", f"{t_ours:.2f}", f"{n_out / t_ours:.1f}")]
     if theirs:
@@ -274,6 +301,12 @@ def report(args, cfg, n_prompts, concurrency, ours, theirs, extra: dict | None =
               f"threads {args.num_threads}")
     if theirs:
         print(f"ratio pdserve/transformers: {res['ratio']:.2f}")
+    if "fp32_kv_s" in res:
+        print(f"KV cache {res['kv_cache_dtype']}: {t_ours:.2f} s; "
+              f"fp32 KV: {res['fp32_kv_s']:.2f} s; ratio {res['kv_cache_dtype']}/fp32 KV "
+              f"(fp32-KV time / half-KV time): "
+              f"{res['half_kv_vs_fp32_kv']:.2f}; ceiling fraction (fastest GEMM) with fp32 KV: "
+              f"{res['ceiling_fraction_fastest_gemm_fp32_kv']:.2f}")
     print(f"ceiling fraction: {res['ceiling_fraction']:.2f}  (torch's fp32 matmul, GFLOP/s "
           f"prefill {rates_prefill['torch'] / 1e9:.0f}, decode {rates_decode['torch'] / 1e9:.0f});"
           f" against the fastest GEMM ({fast_prefill} {rates_prefill[fast_prefill] / 1e9:.0f}, "

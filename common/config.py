@@ -14,6 +14,8 @@ from typing import Literal, Optional
 RopeScalingType = Literal["none", "linear", "llama3"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 WEIGHTS_MODES = ("packed", "fp32")  # GGUF-quantized matrices kept packed, or expanded at load
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # common/kv/dtype.py
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # common/models/dtype.py
 
 
 def _require(cond: bool, name: str, allowed: str, value) -> None:
@@ -177,6 +179,8 @@ class EngineConfig:
     device: str = "cpu"
     cpu_gemm: str = "auto"  # auto | onednn | torch: how linears multiply on the CPU (cpu_gemm.py)
     weights: str = "packed"  # packed | fp32: quantized GGUF matrices stay packed (models/quant)
+    dtype: str = "auto"  # unquantized weights and activations; auto: fp32 on CPU, bf16 on CUDA
+    kv_cache_dtype: str = "auto"  # the KV cache's element type; auto = the activations' dtype
     num_threads: Optional[int] = None  # torch threads (per rank); None -> torch's default
     seed: int = 0
     tiny_model_seed: int = 0  # for model == "tiny"
@@ -188,6 +192,9 @@ class EngineConfig:
         _require(self.cpu_gemm in ("auto", "onednn", "torch"), "cpu_gemm",
                  "one of auto, onednn, torch", self.cpu_gemm)
         _require(self.weights in WEIGHTS_MODES, "weights", "one of packed, fp32", self.weights)
+        _require(self.dtype in DTYPES, "dtype", "one of " + ", ".join(DTYPES), self.dtype)
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 "one of " + ", ".join(KV_CACHE_DTYPES), self.kv_cache_dtype)
         if self.num_threads is not None:
             _require(self.num_threads > 0, "num_threads", "> 0", self.num_threads)
         _require(self.device == "cpu" or self.device.startswith("cuda"), "device",

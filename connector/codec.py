@@ -33,6 +33,7 @@ from pdserve.connector.kvstore.auth import UNKEYED_MAC_KEY
 MAGIC = b"PDKV"
 FORMAT_VERSION = 3  # 2: HMAC-SHA256 replaced the CRC32; 3: Poly1305, one-time key per block
 _DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+_DTYPE_NAMES = {code: dtype for dtype, code in _DTYPES.items()}
 # magic, version, dtype, block_size, layers, kv_heads, head_dim, fingerprint(32), key(32),
 # payload bytes, mac(32) = nonce(16) || Poly1305 tag(16), padding to 128 bytes so the
 # payload stays aligned for tensor views
@@ -122,8 +123,10 @@ class BlockCodec:
         names = ("magic", "version", "dtype", "block_size", "layers", "kv_heads", "head_dim",
                  "model fingerprint", "key", "payload size")
         for name, want, have in zip(names, expected, got):
-            if want != have:
-                raise BlockCodecError(f"block rejected: {name} mismatch")
+            if want != have:  # a dtype mismatch: written by an engine of another --kv-cache-dtype
+                why = f" (block {_DTYPE_NAMES.get(have, have)}, reader {self.dtype})" \
+                    if name == "dtype" else ""
+                raise BlockCodecError(f"block rejected: {name} mismatch{why}")
         payload = data[HEADER_SIZE:HEADER_SIZE + n]
         if len(payload) != n:
             raise BlockCodecError("block rejected: truncated payload")

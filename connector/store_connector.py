@@ -278,11 +278,12 @@ class StoreKVConnector(KVConnector):
 
     def _staging_view(self, buf: bytearray, n: int) -> torch.Tensor:
         """[n, layers, 2, bs, kvh, d] over the payload regions of n encoded blocks in buf."""
-        item = self.codec.nbytes // 4
-        flat = torch.frombuffer(buf, dtype=torch.float32)
+        size = torch.empty((), dtype=self.codec.dtype).element_size()
+        item = self.codec.nbytes // size
+        flat = torch.frombuffer(buf, dtype=self.codec.dtype)
         shape = (n,) + self.codec.payload_shape
         inner = torch.empty(self.codec.payload_shape).stride()
-        return flat.as_strided(shape, (item,) + inner, HEADER_SIZE // 4)
+        return flat.as_strided(shape, (item,) + inner, HEADER_SIZE // size)
 
     def save_layer(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
         if self._step is None:

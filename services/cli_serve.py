@@ -209,7 +209,8 @@ def engine_argv(args, cpus: Optional[str] = None, threads: Optional[int] = None)
             "--itl-target-ms", str(args.itl_target_ms),
             "--block-size", str(args.block_size), "--device", args.device,
             "--attention-backend", args.attention_backend, "--cpu-gemm", args.cpu_gemm,
-            "--weights", args.weights]
+            "--weights", args.weights, "--kv-cache-dtype", args.kv_cache_dtype,
+            "--dtype", args.dtype]
     from pdserve.common.engine.cli import parallel_argv
     argv += parallel_argv(args)
     if cpus:
@@ -260,7 +261,7 @@ def _run_engine(args) -> int:
         registration=Registration(args.registry, args.advertise_address,
                                   args.registry_interval, args.registry_ttl),
         attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm, weights=args.weights,
-        parallel=parallel_config(args),
+        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, parallel=parallel_config(args),
         tls=tls_from_args(args, "prefill" if args.role == "prefill" else "decode"))
     asyncio.run(run_engine_server(cfg))
     return 0

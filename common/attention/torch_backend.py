@@ -1,7 +1,10 @@
 """Torch reference attention backend (the CPU path, and the reference the Triton kernels are
 tested against).
 
-Decodes are batched. On the CPU with fp32 tensors they go to the native paged kernel
+The cache may hold fp32, bf16 or fp16 (`--kv-cache-dtype`); queries and all arithmetic stay in
+the activations' dtype, K/V widened as they are read (in registers in the native kernels).
+
+Decodes are batched. On the CPU with fp32 queries they go to the native paged kernel
 (cpu_native.py: reads K/V through the block table, no copy) when it built; otherwise (other
 devices or dtypes, PDSERVE_NO_NATIVE=1, no compiler) their context is gathered from the paged
 cache into a padded dense tensor and attended with one SDPA call (key-padding mask): `_decode`,
@@ -35,6 +38,9 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
     return kv[0].transpose(0, 1), kv[1].transpose(0, 1)
 
 
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the native kernels read
+
+
 def _decode(query, kv_cache, meta: AttentionMetadata, scale):
     """query [D, heads, d] -> [D, heads, d] for the first D=num_decodes requests."""
     n = meta.num_decodes
@@ -44,8 +50,8 @@ def _decode(query, kv_cache, meta: AttentionMetadata, scale):
     tables = meta.block_tables[:n, :n_blocks].long()  # [D, nb]
     kv = kv_cache[:, tables]  # [2, D, nb, bs, kvh, d]
     kv = kv.flatten(2, 3)[:, :, :max_len]  # [2, D, L, kvh, d]
-    k = kv[0].transpose(1, 2)  # [D, kvh, L, d]
-    v = kv[1].transpose(1, 2)
+    k = kv[0].transpose(1, 2).to(query.dtype)  # [D, kvh, L, d]; a half cache widened
+    v = kv[1].transpose(1, 2).to(query.dtype)
     seq_lens = meta.seq_lens[:n].long()
     mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]  # [D, L]
     q = query.unsqueeze(2)  # [D, heads, 1, d]
@@ -61,11 +67,13 @@ def _prefill_one(q, k_new, v_new, kv_cache, block_table, seq_len, scale):
     # fall back to the math path, which materializes the scores
     qh = q.transpose(0, 1).unsqueeze(0)
     if q_len == seq_len:  # no cached prefix: attend to the chunk itself
-        k, v = k_new.transpose(0, 1).unsqueeze(0), v_new.transpose(0, 1).unsqueeze(0)
+        # rounded to the cache's dtype first: the same values a later step reads back
+        k, v = (t.transpose(0, 1).unsqueeze(0).to(kv_cache.dtype).to(q.dtype)
+                for t in (k_new, v_new))
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale,
                                              enable_gqa=True)
     else:
-        k, v = (t.unsqueeze(0) for t in gather_kv(kv_cache, block_table, seq_len))
+        k, v = (t.unsqueeze(0).to(q.dtype) for t in gather_kv(kv_cache, block_table, seq_len))
         # query i sits at position seq_len - q_len + i and sees keys 0 .. that position
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [Q, L]
@@ -95,7 +103,7 @@ def prefill_reference(query, kv_cache, block_tables, seq_lens, query_start_loc, 
 def _native_module(query, kv_cache, meta: AttentionMetadata):
     """The native kernels when they apply to these tensors, else None (use the torch paths)."""
     if (query.device.type != "cpu" or kv_cache.device.type != "cpu"
-            or query.dtype != torch.float32 or kv_cache.dtype != torch.float32
+            or query.dtype != torch.float32 or kv_cache.dtype not in KV_DTYPES
             or not kv_cache.is_contiguous() or meta.block_tables.dtype != torch.int32
             or meta.seq_lens.dtype != torch.int32):
         return None
@@ -107,8 +115,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def write_kv(self, key, value, kv_cache, slot_mapping):
         flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])  # [2, slots, kvh, d]
-        flat[0].index_copy_(0, slot_mapping, key)
-        flat[1].index_copy_(0, slot_mapping, value)
+        flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))  # rounds to a half cache
+        flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
     def fused_forward(self, qkv, cos, sin, kv_cache, meta, scale, num_heads):
         """The native fused step (attention_step) when the kernels apply to this batch."""

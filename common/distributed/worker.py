@@ -107,6 +107,7 @@ def _build(spec: WorkerSpec, comm):
     from pdserve.common.engine.model_runner import ModelRunner
     from pdserve.common.engine.rank_model import (allocate_kv_caches, build_rank_model,
                                                   rank_device)
+    from pdserve.common.kv.dtype import engine_kv_dtype
     from pdserve.common.models.registry import load_model
 
     cfg = spec.config
@@ -119,13 +120,14 @@ def _build(spec: WorkerSpec, comm):
     tp = TensorParallel(spec.rank, spec.world_size, comm)
     model = build_rank_model(cfg, model_config, weights, tp, device)
     del weights  # keep only this rank's shard
-    if spec.kv_path is not None:
+    if spec.kv_path is not None:  # fp32 only: the engine refuses a half KV dtype with it
         from pdserve.common.distributed.kv_share import map_rank_kv
         caches = map_rank_kv(spec.kv_path, model_config, spec.rank, spec.world_size,
                              spec.num_blocks, cfg.cache.block_size)
     else:
         caches = allocate_kv_caches(model_config, (spec.rank, spec.world_size),
-                                    spec.num_blocks, cfg.cache.block_size, device)
+                                    spec.num_blocks, cfg.cache.block_size, device,
+                                    engine_kv_dtype(cfg))
     return ModelRunner(model, caches, cfg.cache.block_size, device)
 
 

@@ -6,8 +6,8 @@ import argparse
 import json
 import logging
 
-from pdserve.common.config import (WEIGHTS_MODES, CacheConfig, EngineConfig, ParallelConfig,
-                                  SchedulerConfig)
+from pdserve.common.config import (DTYPES, KV_CACHE_DTYPES, WEIGHTS_MODES, CacheConfig,
+                                  EngineConfig, ParallelConfig, SchedulerConfig)
 from pdserve.common.sampling_params import SamplingParams
 
 
@@ -63,12 +63,20 @@ def add_weights_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=WEIGHTS_MODES, default=EngineConfig.weights,
                    help="packed: a GGUF's Q4_0/Q4_1/Q8_0 matrices stay packed in memory and "
                    "multiply in fp32 (docs/packed-weights.md); fp32: expand them at load")
+    p.add_argument("--dtype", choices=DTYPES, default=EngineConfig.dtype,
+                   help="unquantized weights and activations (auto: float32 on the CPU, "
+                   "bfloat16 on CUDA; docs/half-precision.md)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   default=EngineConfig.kv_cache_dtype,
+                   help="the KV cache's element type; attention widens it to fp32 as it reads "
+                   "(auto: the activations' dtype, fp32; docs/half-precision.md)")
 
 
 def engine_config(args) -> EngineConfig:
     return EngineConfig(
         model=args.model, attention_backend=args.attention_backend, device=args.device,
         cpu_gemm=args.cpu_gemm, weights=args.weights, num_threads=args.num_threads,
+        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
                           kv_cache_fraction=args.kv_cache_fraction,
                           memory_budget_bytes=args.memory_budget_bytes,

@@ -34,6 +34,7 @@ from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.output_processor import OutputProcessor
 from pdserve.common.engine.outputs import EngineStats, FinishReason, RequestOutput
 from pdserve.common.engine.rank_model import allocate_kv_caches, build_rank_model, rank_device
+from pdserve.common.kv.dtype import engine_kv_dtype, kv_bytes_per_token
 from pdserve.common.engine.request import Request, RequestStatus
 from pdserve.common.engine.sampler import Sampler
 from pdserve.common.engine.scheduler import Scheduler
@@ -70,7 +71,8 @@ class EngineCore:
         check_tp_split(cfg, tp_size)
         cc = config.cache
         # ranks on one host share its memory (the budget covers all of them); GPUs have their own
-        per_token = cfg.kv_bytes_per_token
+        self.kv_dtype = engine_kv_dtype(config)
+        per_token = kv_bytes_per_token(cfg.kv_bytes_per_token, self.kv_dtype)
         if config.device != "cpu":  # the busiest rank holds the most KV heads
             per_token = per_token * kv_head_range(cfg.num_kv_heads, 0, tp_size)[1] \
                 // cfg.num_kv_heads
@@ -179,7 +181,8 @@ class EngineCore:
         tp_size = config.parallel.tensor_parallel_size
         device = rank_device(config.device, 0, tp_size)
         if tp_size == 1:
-            caches = allocate_kv_caches(cfg, (0, 1), num_blocks, config.cache.block_size, device)
+            caches = allocate_kv_caches(cfg, (0, 1), num_blocks, config.cache.block_size, device,
+                                        self.kv_dtype)
             return UniProcExecutor(ModelRunner(model, caches, config.cache.block_size, device))
         from pdserve.common.distributed.executor import WorkerGroup
 
@@ -189,6 +192,9 @@ class EngineCore:
         if share_kv and config.device != "cpu":
             raise NotImplementedError("a KV connector with tensor_parallel_size > 1 needs the "
                                       "CPU (ranks' caches in shared memory)")
+        if share_kv and self.kv_dtype != torch.float32:
+            raise NotImplementedError("a KV connector with tensor_parallel_size > 1 keeps the "
+                                      "ranks' caches in fp32 (--kv-cache-dtype float32)")
         workers = WorkerGroup(config, num_blocks, slot,
                               (cfg, loaded.weights) if given else None,
                               cfg if share_kv else None)
@@ -202,7 +208,7 @@ class EngineCore:
                 caches = shards[0]
             else:
                 caches = allocate_kv_caches(cfg, (0, tp_size), num_blocks,
-                                            config.cache.block_size, device)
+                                            config.cache.block_size, device, self.kv_dtype)
             workers.wait_ready()
         except BaseException:
             workers.close()

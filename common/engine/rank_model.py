@@ -10,6 +10,7 @@ from pdserve.common.attention.cpu_native import load_cpu_kernels
 from pdserve.common.config import EngineConfig, ModelConfig
 from pdserve.common.distributed.layout import TensorParallel, kv_head_range
 from pdserve.common.models.cpu_gemm import pack_linears, resolve_cpu_gemm
+from pdserve.common.models.dtype import resolve_dtype
 from pdserve.common.models.llama import LlamaForCausalLM
 
 
@@ -21,7 +22,10 @@ def build_rank_model(config: EngineConfig, model_config: ModelConfig,
     backend = get_attention_backend(config.attention_backend, device)
     model = LlamaForCausalLM(model_config, backend, tp)
     model.load_weights(weights.items())
-    model.to(device).eval()
+    dtype = resolve_dtype(config.dtype, device)
+    model.to(device=device, dtype=dtype).eval()  # floating-point tensors only: packed stay
+    if dtype != torch.float32:  # oneDNN packing and the native kernels are fp32-only
+        return model
     if resolve_cpu_gemm(config.cpu_gemm, device) == "onednn":
         pack_linears(model)
     native = load_cpu_kernels() if device == "cpu" else None
@@ -31,11 +35,13 @@ def build_rank_model(config: EngineConfig, model_config: ModelConfig,
 
 
 def allocate_kv_caches(cfg: ModelConfig, tp: tuple[int, int], num_blocks: int,
-                       block_size: int, device: str) -> list[torch.Tensor]:
-    """One [2, blocks, block_size, this rank's KV heads, head_dim] tensor per layer (tp: rank,
-    size): this rank's heads of every block."""
+                       block_size: int, device: str, dtype: torch.dtype = torch.float32
+                       ) -> list[torch.Tensor]:
+    """One [2, blocks, block_size, this rank's KV heads, head_dim] tensor of `dtype` per layer
+    (tp: rank, size): this rank's heads of every block."""
     _, heads = kv_head_range(cfg.num_kv_heads, *tp)
-    return [torch.zeros(2, num_blocks, block_size, heads, cfg.head_dim, device=device)
+    return [torch.zeros(2, num_blocks, block_size, heads, cfg.head_dim, device=device,
+                        dtype=dtype)
             for _ in range(cfg.num_layers)]
 
 

@@ -133,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
                 ) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]. `layer_done(i, kv_cache)`
         runs after layer i wrote its K/V (the KV connector saves layer by layer)."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # packed rows come as fp32
         cos_sin = self.rope.cos_sin(positions)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(cos_sin, x, kv_cache, meta)

@@ -50,6 +50,8 @@ class EngineServiceConfig:
     grpc_max_message_bytes: int = 4 * 1024 * 1024
     grpc_max_concurrent_rpcs: int = 2048
     weights: str = EngineConfig.weights  # packed | fp32 (quantized GGUF matrices kept packed)
+    dtype: str = EngineConfig.dtype  # auto | float32 | bfloat16 | float16 (weights, activations)
+    kv_cache_dtype: str = EngineConfig.kv_cache_dtype  # auto | float32 | bfloat16 | float16
     tls: TlsConfig = TlsConfig()  # mutual TLS on the gRPC port; empty -> plaintext
     registration: Registration = Registration()  # the instance registry; default: none
 
@@ -94,6 +96,8 @@ class EngineServiceConfig:
             cpu_gemm=self.cpu_gemm,
             parallel=self.parallel,
             weights=self.weights,
+            dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def kv_settings(self) -> Optional[KVStoreSettings]:

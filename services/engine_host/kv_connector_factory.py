@@ -87,7 +87,8 @@ def connector_factory(settings: KVStoreSettings) -> Callable:
             io.close()
             raise
         codec = BlockCodec(engine.fingerprint, cfg.num_layers, engine.kv.block_size,
-                           cfg.num_kv_heads, cfg.head_dim, mac_key=client.mac_key)
+                           cfg.num_kv_heads, cfg.head_dim, dtype=engine.kv_dtype,
+                           mac_key=client.mac_key)
         return ServiceKVConnector(client, codec, settings.connector_config(), io)
 
     return build

@@ -4,9 +4,61 @@
 
 #include <torch/extension.h>
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace pdserve_kernels {
+
+// KV cache element types: fp32, bf16, fp16. The kernels keep K/V in the cache's type and widen
+// each element to fp32 when it is loaded (in registers), so all arithmetic stays fp32.
+inline float to_f32(float x) { return x; }
+inline float to_f32(c10::BFloat16 x) {  // bf16 is the top half of an fp32: widening is exact
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float to_f32(c10::Half x) { return static_cast<float>(x); }  // exact
+// fp32 -> cache type, rounding to nearest even (c10's conversions, as torch's .to() does)
+template <typename T>
+inline T from_f32(float x) { return static_cast<T>(x); }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 consecutive cache elements widened to fp32
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+  return _mm256_loadu_ps(f);
+#endif
+}
+#endif
+
+// Runs f(T{}) with T the C++ type of a KV cache of scalar type t (fp32, bf16 or fp16).
+template <typename F>
+void dispatch_kv(const char* fn, at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default:
+      TORCH_CHECK_VALUE(false, fn, ": kv_cache must be float32, bfloat16 or float16, got ", t);
+  }
+}
 
 // Checks up front (serially, before any thread starts) so bad metadata is a ValueError, never an
 // out-of-bounds read.

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -22,6 +23,12 @@ __attribute__((optimize("fp-contract=off"))) void rope_row(const float* x, const
   const int64_t half = d / 2;
   for (int64_t i = 0; i < half; ++i) y[i] = x[i] * c[i] - x[i + half] * s[i];
   for (int64_t i = half; i < d; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
+}
+
+// dst[0:n] = x[0:n] in the cache's type (fp32: a copy; bf16 / fp16: round to nearest even)
+template <typename T>
+inline void store_row(const float* x, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = pdserve_kernels::from_f32<T>(x[i]);
 }
 
 // sum of x[i]^2 in eight interleaved partial sums (a vector register under -O3)
@@ -57,8 +64,8 @@ at::Tensor attention_step(const at::Tensor& qkv, const at::Tensor& cos, const at
                           const at::Tensor& query_start_loc, int64_t num_decodes, double scale,
                           int64_t num_heads) {
   TORCH_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                        kv_cache.scalar_type() == at::kFloat && kv_cache.device().is_cpu(),
-                    "attention_step: kv_cache must be a contiguous float32 CPU tensor "
+                        kv_cache.device().is_cpu(),
+                    "attention_step: kv_cache must be a contiguous CPU tensor "
                     "[2, blocks, block_size, kv_heads, head_dim], got ", kv_cache.sizes());
   const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), kvh = kv_cache.size(3);
   const int64_t d = kv_cache.size(4);
@@ -99,25 +106,31 @@ at::Tensor attention_step(const at::Tensor& qkv, const at::Tensor& cos, const at
 
   at::Tensor q = at::empty({n, num_heads, d}, qkv.options());
   float* qp = q.data_ptr<float>();
-  float* kc = kv_cache.data_ptr<float>();
-  float* vc = kc + num_blocks * bs * kvh * d;
   const float* x = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t x_stride = qkv.stride(0);
-  // tokens are independent (distinct slots); a decode batch's few rows stay on one thread
-  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = x + r * x_stride;
-      const float* c = cp + r * d;
-      const float* s = sp + r * d;
-      for (int64_t h = 0; h < num_heads; ++h)
-        rope_row(row + h * d, c, s, qp + (r * num_heads + h) * d, d);
-      for (int64_t h = 0; h < kvh; ++h)
-        rope_row(row + (num_heads + h) * d, c, s, kc + (slots[r] * kvh + h) * d, d);
-      std::copy(row + (num_heads + kvh) * d, row + (num_heads + 2 * kvh) * d,
-                vc + slots[r] * kvh * d);
-    }
+  pdserve_kernels::dispatch_kv("attention_step", kv_cache.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    T* kc = static_cast<T*>(kv_cache.data_ptr());
+    T* vc = kc + num_blocks * bs * kvh * d;
+    // tokens are independent (distinct slots); a decode batch's few rows stay on one thread
+    at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+      std::vector<float> k(d);
+      for (int64_t r = begin; r < end; ++r) {
+        const float* row = x + r * x_stride;
+        const float* c = cp + r * d;
+        const float* s = sp + r * d;
+        for (int64_t h = 0; h < num_heads; ++h)
+          rope_row(row + h * d, c, s, qp + (r * num_heads + h) * d, d);
+        // keys rotated in fp32, then rounded once to the cache type (as torch's copy does)
+        for (int64_t h = 0; h < kvh; ++h) {
+          rope_row(row + (num_heads + h) * d, c, s, k.data(), d);
+          store_row(k.data(), kc + (slots[r] * kvh + h) * d, d);
+        }
+        store_row(row + (num_heads + kvh) * d, vc + slots[r] * kvh * d, kvh * d);
+      }
+    });
   });
   at::Tensor out = at::empty({n, num_heads, d}, qkv.options());
   if (num_decodes > 0)

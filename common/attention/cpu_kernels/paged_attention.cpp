@@ -9,7 +9,7 @@
 // -mavx2 -mfma when the CPU has them) the inner loops use 8-wide intrinsics; otherwise plain
 // loops.
 //
-// Layouts (fp32 / int32):
+// Layouts (fp32 / int32; the cache fp32, bf16 or fp16, widened to fp32 as it is loaded):
 //   query        [D, H, d]   rows may be strided (a view of a bigger [T, H, d]); heads dense
 //   kv_cache     [2, NB, bs, kvh, d] contiguous (0 = keys, 1 = values)
 //   block_tables [D, W]      cache block of each request's bs-token page
@@ -33,6 +33,11 @@
 #endif
 
 namespace {
+
+using pdserve_kernels::to_f32;
+#ifdef PDSERVE_AVX2
+using pdserve_kernels::load8;
+#endif
 
 #ifdef PDSERVE_AVX2
 
@@ -66,38 +71,41 @@ inline __m256 exp256(__m256 x) {
 
 #endif  // PDSERVE_AVX2
 
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   int64_t i = 0;
   float s = 0.f;
 #ifdef PDSERVE_AVX2
   // two accumulators: head_dim 64/128 is 8/16 vectors, enough to hide the FMA latency
   __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
   for (; i + 16 <= n; i += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), s1);
   }
   for (; i + 8 <= n; i += 8)
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), s0);
   s = hsum(_mm256_add_ps(s0, s1));
 #endif
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * to_f32(b[i]);
   return s;
 }
 
 // y[0:n] += a * x[0:n]
-inline void axpy(float* y, float a, const float* x, int64_t n) {
+template <typename T>
+inline void axpy(float* y, float a, const T* x, int64_t n) {
   int64_t i = 0;
 #ifdef PDSERVE_AVX2
   const __m256 av = _mm256_set1_ps(a);
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, load8(x + i), _mm256_loadu_ps(y + i)));
 #endif
-  for (; i < n; ++i) y[i] += a * x[i];
+  for (; i < n; ++i) y[i] += a * to_f32(x[i]);
 }
 
-// Ask for the cache lines of one d-float row (a GCC/Clang builtin: no ISA dependence).
-inline void prefetch_row(const float* row, int64_t d) {
-  for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i, 0, 3);
+// Ask for the cache lines of one d-element row (a GCC/Clang builtin: no ISA dependence).
+template <typename T>
+inline void prefetch_row(const T* row, int64_t d) {
+  for (int64_t i = 0; i < d; i += 64 / sizeof(T)) __builtin_prefetch(row + i, 0, 3);
 }
 
 inline void scale_inplace(float* y, float a, int64_t n) {
@@ -128,8 +136,9 @@ inline float exp_sub_sum(float* x, float m, int64_t n) {
 // Scores of nt consecutive tokens of one block against the G queries:
 // sc[g * sc_stride + t] = q[g] . k[t], K rows row_stride apart. Also prefetches the same rows
 // of the blocks at pf_a and pf_b (either may be null) for the caller.
-void qk_block(const float* q, int64_t group, int64_t d, const float* k, int64_t row_stride,
-              int64_t nt, float* sc, int64_t sc_stride, const float* pf_a, const float* pf_b) {
+template <typename T>
+void qk_block(const float* q, int64_t group, int64_t d, const T* k, int64_t row_stride,
+              int64_t nt, float* sc, int64_t sc_stride, const T* pf_a, const T* pf_b) {
   int64_t t = 0;
 #ifdef PDSERVE_AVX2
   // 8 tokens at a time: 8 accumulators per query, reduced together into one vector of 8 scores
@@ -140,7 +149,7 @@ void qk_block(const float* q, int64_t group, int64_t d, const float* k, int64_t 
         if (pf_a) prefetch_row(pf_a + j * row_stride, d);
         if (pf_b) prefetch_row(pf_b + j * row_stride, d);
       }
-      const float* kt = k + t * row_stride;
+      const T* kt = k + t * row_stride;
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = q + g * d;
         __m256 a[8];
@@ -150,7 +159,7 @@ void qk_block(const float* q, int64_t group, int64_t d, const float* k, int64_t 
           const __m256 qv = _mm256_loadu_ps(qg + c);
 #pragma GCC unroll 8
           for (int j = 0; j < 8; ++j)
-            a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt + j * row_stride + c), a[j]);
+            a[j] = _mm256_fmadd_ps(qv, load8(kt + j * row_stride + c), a[j]);
         }
         // lane j of the result = sum of a[j]'s lanes
         const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -173,15 +182,15 @@ void qk_block(const float* q, int64_t group, int64_t d, const float* k, int64_t 
 #ifdef PDSERVE_AVX2
 // acc[g] += sum_t p[g, t] * v[t] for GC query heads, 8 lanes of d at a time: the GC
 // accumulators stay in registers over the tokens, each V vector is loaded once for all of them.
-template <int GC>
-void pv_chunk(float* acc, int64_t d, const float* p, int64_t p_stride, const float* v,
+template <int GC, typename T>
+void pv_chunk(float* acc, int64_t d, const float* p, int64_t p_stride, const T* v,
               int64_t row_stride, int64_t nt) {
   for (int64_t c = 0; c < d; c += 8) {
     __m256 a[GC];
 #pragma GCC unroll 8
     for (int g = 0; g < GC; ++g) a[g] = _mm256_loadu_ps(acc + g * d + c);
     for (int64_t t = 0; t < nt; ++t) {
-      const __m256 vv = _mm256_loadu_ps(v + t * row_stride + c);
+      const __m256 vv = load8(v + t * row_stride + c);
 #pragma GCC unroll 8
       for (int g = 0; g < GC; ++g)
         a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * p_stride + t), vv, a[g]);
@@ -193,8 +202,9 @@ void pv_chunk(float* acc, int64_t d, const float* p, int64_t p_stride, const flo
 #endif
 
 // acc[g] (d floats each) += sum_t p[g * p_stride + t] * v[t], V rows row_stride apart.
+template <typename T>
 void pv_block(float* acc, int64_t group, int64_t d, const float* p, int64_t p_stride,
-              const float* v, int64_t row_stride, int64_t nt) {
+              const T* v, int64_t row_stride, int64_t nt) {
 #ifdef PDSERVE_AVX2
   if (d % 8 == 0) {
     for (int64_t g0 = 0; g0 < group; g0 += 8) {
@@ -219,11 +229,12 @@ void pv_block(float* acc, int64_t group, int64_t d, const float* p, int64_t p_st
       axpy(acc + g * d, p[g * p_stride + t], v + t * row_stride, d);
 }
 
+template <typename T>  // the cache's element type
 struct DecodeProblem {
   const float* query;
   int64_t q_row_stride;  // elements between requests' query rows
-  const float* k_cache;  // [NB, bs, kvh, d]
-  const float* v_cache;
+  const T* k_cache;      // [NB, bs, kvh, d]
+  const T* v_cache;
   const int32_t* block_tables;  // [D, W]
   const int32_t* seq_lens;      // [D]
   float* out;                   // [D, H, d]
@@ -246,7 +257,8 @@ struct Scratch {
 // blocks. The kv-head loop sits inside the block loop so that, with the whole range, a block's
 // K (then V) is read front to back, bs * kvh * d contiguous floats, which the hardware
 // prefetcher and DRAM pages like better than one head's strided rows.
-void decode_item(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1, int64_t tile_blocks,
+template <typename T>
+void decode_item(const DecodeProblem<T>& p, int64_t r, int64_t h0, int64_t h1, int64_t tile_blocks,
                  Scratch& s) {
   const int64_t d = p.head_dim, bs = p.block_size, kvh = p.num_kv_heads;
   const int64_t group = p.num_heads / kvh;
@@ -272,7 +284,7 @@ void decode_item(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1, int6
   const int64_t block_elems = bs * kvh * d;
   auto k_block = [&](int64_t b) { return p.k_cache + table[b] * block_elems; };
   auto v_block = [&](int64_t b) { return p.v_cache + table[b] * block_elems; };
-  auto prefetch_block = [&](const float* block) {
+  auto prefetch_block = [&](const T* block) {
     for (int64_t t = 0; t < bs; ++t)
       for (int64_t h = h0; h < h1; ++h) prefetch_row(block + t * row_stride + h * d, d);
   };
@@ -285,9 +297,9 @@ void decode_item(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1, int6
     // prefetch K kKAhead blocks and V kVAhead blocks ahead (the first ones before the loop).
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
       const int64_t b = (start + t0) / bs;
-      const float* k = k_block(b);
-      const float* k_ahead = b + kKAhead < num_used ? k_block(b + kKAhead) : nullptr;
-      const float* v_ahead = b + kVAhead < num_used ? v_block(b + kVAhead) : nullptr;
+      const T* k = k_block(b);
+      const T* k_ahead = b + kKAhead < num_used ? k_block(b + kKAhead) : nullptr;
+      const T* v_ahead = b + kVAhead < num_used ? v_block(b + kVAhead) : nullptr;
       for (int64_t h = h0; h < h1; ++h) {
         const int64_t j = (h - h0) * group;
         qk_block(q + j * d, group, d, k + h * d, row_stride, std::min(bs, n - t0),
@@ -309,7 +321,7 @@ void decode_item(const DecodeProblem& p, int64_t r, int64_t h0, int64_t h1, int6
     }
     // acc[j] += sum_t p[j, t] * V[t]: each V row loaded once for all G heads of its group
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
-      const float* v = v_block((start + t0) / bs);
+      const T* v = v_block((start + t0) / bs);
       for (int64_t h = h0; h < h1; ++h) {
         const int64_t j = (h - h0) * group;
         pv_block(acc + j * d, group, d, sc + j * tile + t0, tile, v + h * d, row_stride,
@@ -333,8 +345,8 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK_VALUE(query.device().is_cpu() && kv_cache.device().is_cpu() &&
                         block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
                     "paged_decode: all tensors must be on the CPU");
-  TORCH_CHECK_VALUE(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat,
-                    "paged_decode: query and kv_cache must be float32");
+  TORCH_CHECK_VALUE(query.scalar_type() == at::kFloat,
+                    "paged_decode: query must be float32 (the cache may be fp32, bf16 or fp16)");
   TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
                     "paged_decode: block_tables and seq_lens must be int32");
   TORCH_CHECK_VALUE(query.dim() == 3, "paged_decode: query must be [D, heads, head_dim], got ",
@@ -377,11 +389,6 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
   pdserve_kernels::check_metadata(tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), num_reqs,
                                   width, bs, num_blocks);
 
-  const float* kv = kv_cache.data_ptr<float>();
-  const DecodeProblem p{q.data_ptr<float>(), q.stride(0), kv, kv + num_blocks * bs * kvh * d,
-                        tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
-                        out.data_ptr<float>(), heads, kvh, d, bs, width,
-                        static_cast<float>(scale)};
   // tiles of >= 64 tokens: fewer max/rescale passes than one block at a time
   const int64_t tile_blocks = std::max<int64_t>(1, 64 / bs);
   // Items are (request, range of kv heads). A request's whole head range reads its blocks
@@ -399,12 +406,21 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
   for (int64_t r = 0; r < num_reqs; ++r) kv_rows += len_ptr[r];
   const int64_t items = num_reqs * chunks;
   const int64_t grain = kv_rows * kvh < kSerialKvRows ? items : 1;
-  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    Scratch scratch(heads, d, tile_blocks * bs);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t h0 = (i % chunks) * heads_per_item;
-      decode_item(p, i / chunks, h0, std::min(h0 + heads_per_item, kvh), tile_blocks, scratch);
-    }
+  pdserve_kernels::dispatch_kv("paged_decode", kv_cache.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* kv = static_cast<const T*>(kv_cache.data_ptr());
+    const DecodeProblem<T> p{q.data_ptr<float>(), q.stride(0), kv,
+                             kv + num_blocks * bs * kvh * d, tables.data_ptr<int32_t>(),
+                             lens.data_ptr<int32_t>(), out.data_ptr<float>(), heads, kvh, d, bs,
+                             width, static_cast<float>(scale)};
+    at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+      Scratch scratch(heads, d, tile_blocks * bs);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t h0 = (i % chunks) * heads_per_item;
+        decode_item(p, i / chunks, h0, std::min(h0 + heads_per_item, kvh), tile_blocks,
+                    scratch);
+      }
+    });
   });
   return out;
 }

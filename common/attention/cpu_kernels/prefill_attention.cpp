@@ -16,7 +16,8 @@
 // with an online softmax (running max and sum per token), fp32 throughout; keys after a token's
 // position are masked in the tiles that reach past the item's first token.
 //
-// Layouts: query [T, H, d] (rows may be strided); kv_cache [2, NB, bs, kvh, d] contiguous;
+// Layouts: query [T, H, d] (rows may be strided); kv_cache [2, NB, bs, kvh, d] contiguous
+// (fp32, bf16 or fp16, each element widened to fp32 as it is loaded);
 // block_tables [R, W] int32; seq_lens [R] int32 (context incl. the chunk); query_start_loc
 // [R + 1] int32; out [T, H, d] contiguous. Requests first_req .. R - 1 are done; a request's
 // chunk of q tokens sits at positions seq_len - q .. seq_len - 1.
@@ -32,6 +33,8 @@
 #include <vector>
 
 namespace {
+
+using pdserve_kernels::to_f32;
 
 // Query tokens per vector, and the vector registers the tiles below budget for.
 #ifdef __AVX512F__
@@ -88,11 +91,12 @@ inline vf vexp(vf x) {
   return y * pow2n;
 }
 
+template <typename T>  // the cache's element type (fp32, bf16, fp16), widened when loaded
 struct Problem {
   const float* query;
   int64_t q_row_stride;
-  const float* k_cache;  // [NB, bs, kvh, d]
-  const float* v_cache;
+  const T* k_cache;  // [NB, bs, kvh, d]
+  const T* v_cache;
   const int32_t* block_tables;
   int64_t table_width;
   float* out;
@@ -109,16 +113,17 @@ struct Item {
 };
 
 // Per-thread scratch: transposed queries, one tile of scores, output accumulators.
+template <typename T>
 struct Scratch {
-  std::vector<vf> qt, s, o;                  // [GC, d], [GC, kKT], [GC, d]
-  std::vector<const float*> krow, vrow;      // the tile's K / V rows
+  std::vector<vf> qt, s, o;              // [GC, d], [GC, kKT], [GC, d]
+  std::vector<const T*> krow, vrow;      // the tile's K / V rows
   explicit Scratch(int64_t d)
       : qt(kMaxGC * d), s(kMaxGC * kKT), o(kMaxGC * d), krow(kKT), vrow(kKT) {}
 };
 
 // s[g][jj] = sum_c qt[g][c] * K[jj][c], KJ keys at a time (KJ x GC accumulators in registers)
-template <int GC>
-void qk_tile(const vf* qt, int64_t d, const float* const* krow, int64_t n, vf* s) {
+template <int GC, typename T>
+void qk_tile(const vf* qt, int64_t d, const T* const* krow, int64_t n, vf* s) {
   constexpr int KJ = qk_keys(GC);
   int64_t jj = 0;
   for (; jj + KJ <= n; jj += KJ) {
@@ -126,7 +131,7 @@ void qk_tile(const vf* qt, int64_t d, const float* const* krow, int64_t n, vf* s
     for (int64_t c = 0; c < d; ++c) {
       vf b[KJ];
 #pragma GCC unroll 4
-      for (int u = 0; u < KJ; ++u) b[u] = splat(krow[jj + u][c]);
+      for (int u = 0; u < KJ; ++u) b[u] = splat(to_f32(krow[jj + u][c]));
 #pragma GCC unroll 4
       for (int g = 0; g < GC; ++g) {
         const vf q = qt[g * d + c];
@@ -140,7 +145,7 @@ void qk_tile(const vf* qt, int64_t d, const float* const* krow, int64_t n, vf* s
   for (; jj < n; ++jj) {
     vf a[GC] = {};
     for (int64_t c = 0; c < d; ++c) {
-      const vf b = splat(krow[jj][c]);
+      const vf b = splat(to_f32(krow[jj][c]));
       for (int g = 0; g < GC; ++g) a[g] += qt[g * d + c] * b;
     }
     for (int g = 0; g < GC; ++g) s[g * kKT + jj] = a[g];
@@ -148,8 +153,8 @@ void qk_tile(const vf* qt, int64_t d, const float* const* krow, int64_t n, vf* s
 }
 
 // o[g][c] += sum_jj s[g][jj] * V[jj][c], CD dims x GC heads of accumulators in registers
-template <int GC>
-void pv_tile(const vf* s, int64_t d, const float* const* vrow, int64_t n, vf* o) {
+template <int GC, typename T>
+void pv_tile(const vf* s, int64_t d, const T* const* vrow, int64_t n, vf* o) {
   constexpr int CD = pv_dims(GC);
   int64_t c0 = 0;
   for (; c0 + CD <= d; c0 += CD) {
@@ -157,12 +162,12 @@ void pv_tile(const vf* s, int64_t d, const float* const* vrow, int64_t n, vf* o)
     for (int g = 0; g < GC; ++g)
       for (int u = 0; u < CD; ++u) a[g][u] = o[g * d + c0 + u];
     for (int64_t jj = 0; jj < n; ++jj) {
-      const float* v = vrow[jj] + c0;
+      const T* v = vrow[jj] + c0;
       vf p[GC];
       for (int g = 0; g < GC; ++g) p[g] = s[g * kKT + jj];
 #pragma GCC unroll 8
       for (int u = 0; u < CD; ++u) {
-        const vf b = splat(v[u]);
+        const vf b = splat(to_f32(v[u]));
         for (int g = 0; g < GC; ++g) a[g][u] += p[g] * b;
       }
     }
@@ -171,7 +176,7 @@ void pv_tile(const vf* s, int64_t d, const float* const* vrow, int64_t n, vf* o)
   }
   for (; c0 < d; ++c0)
     for (int64_t jj = 0; jj < n; ++jj) {
-      const vf b = splat(vrow[jj][c0]);
+      const vf b = splat(to_f32(vrow[jj][c0]));
       for (int g = 0; g < GC; ++g) o[g * d + c0] += s[g * kKT + jj] * b;
     }
 }
@@ -203,8 +208,8 @@ void softmax_tile(vf* s, int64_t n, int64_t j0, vi pos, bool masked, vf* m, vf* 
 }
 
 // Query heads g0 .. g0 + GC - 1 of the item's kv-head group.
-template <int GC>
-void heads_pass(const Problem& p, const Item& it, int64_t g0, Scratch& sc) {
+template <int GC, typename T>
+void heads_pass(const Problem<T>& p, const Item& it, int64_t g0, Scratch<T>& sc) {
   const int64_t d = p.head_dim, bs = p.block_size, kvh = p.num_kv_heads;
   const int64_t head0 = it.kv_head * (p.num_heads / kvh) + g0;
   const int64_t nt = std::min<int64_t>(kW, it.q_len - it.first);  // valid tokens
@@ -234,10 +239,10 @@ void heads_pass(const Problem& p, const Item& it, int64_t g0, Scratch& sc) {
       sc.krow[jj] = p.k_cache + row * d;
       sc.vrow[jj] = p.v_cache + row * d;
     }
-    qk_tile<GC>(sc.qt.data(), d, sc.krow.data(), n, sc.s.data());
+    qk_tile<GC, T>(sc.qt.data(), d, sc.krow.data(), n, sc.s.data());
     softmax_tile<GC>(sc.s.data(), n, j0, pos, /*masked=*/j0 + n - 1 > it.pos0, m, l,
                      sc.o.data(), d);
-    pv_tile<GC>(sc.s.data(), d, sc.vrow.data(), n, sc.o.data());
+    pv_tile<GC, T>(sc.s.data(), d, sc.vrow.data(), n, sc.o.data());
   }
   for (int g = 0; g < GC; ++g) {
     const vf inv = 1.f / l[g];
@@ -248,14 +253,15 @@ void heads_pass(const Problem& p, const Item& it, int64_t g0, Scratch& sc) {
   }
 }
 
-void run_item(const Problem& p, const Item& it, Scratch& sc) {
+template <typename T>
+void run_item(const Problem<T>& p, const Item& it, Scratch<T>& sc) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   for (int64_t g0 = 0; g0 < group; g0 += kMaxGC) {
     switch (std::min<int64_t>(kMaxGC, group - g0)) {
-      case 1: heads_pass<1>(p, it, g0, sc); break;
-      case 2: heads_pass<2>(p, it, g0, sc); break;
-      case 3: heads_pass<3>(p, it, g0, sc); break;
-      default: heads_pass<kMaxGC>(p, it, g0, sc); break;
+      case 1: heads_pass<1, T>(p, it, g0, sc); break;
+      case 2: heads_pass<2, T>(p, it, g0, sc); break;
+      case 3: heads_pass<3, T>(p, it, g0, sc); break;
+      default: heads_pass<kMaxGC, T>(p, it, g0, sc); break;
     }
   }
 }
@@ -275,9 +281,8 @@ void paged_prefill(const at::Tensor& query_in, const at::Tensor& kv_cache,
       query_in.stride(2) == 1 && query_in.stride(1) == query_in.size(2) ? query_in
                                                                         : query_in.contiguous();
   TORCH_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                        kv_cache.scalar_type() == at::kFloat && kv_cache.device().is_cpu() &&
-                        kv_cache.size(4) == query.size(2),
-                    "paged_prefill: kv_cache must be contiguous float32 CPU "
+                        kv_cache.device().is_cpu() && kv_cache.size(4) == query.size(2),
+                    "paged_prefill: kv_cache must be contiguous (fp32, bf16 or fp16) CPU "
                     "[2, blocks, block_size, kv_heads, head_dim], got ", kv_cache.sizes());
   const int64_t heads = query.size(1), d = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), kvh = kv_cache.size(3);
@@ -305,15 +310,18 @@ void paged_prefill(const at::Tensor& query_in, const at::Tensor& kv_cache,
   // most keys first, taken dynamically: the threads finish together
   std::sort(items.begin(), items.end(),
             [](const Item& a, const Item& b) { return a.pos0 > b.pos0; });
-  const float* kv = kv_cache.data_ptr<float>();
-  const Problem p{query.data_ptr<float>(), query.stride(0), kv, kv + num_blocks * bs * kvh * d,
-                  tables, block_tables.size(1), out.data_ptr<float>(), heads, kvh, d, bs,
-                  static_cast<float>(scale)};
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_items);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch sc(d);
-    for (int64_t i; (i = next.fetch_add(1)) < n_items;) run_item(p, items[i], sc);
+  pdserve_kernels::dispatch_kv("paged_prefill", kv_cache.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* kv = static_cast<const T*>(kv_cache.data_ptr());
+    const Problem<T> p{query.data_ptr<float>(), query.stride(0), kv,
+                       kv + num_blocks * bs * kvh * d, tables, block_tables.size(1),
+                       out.data_ptr<float>(), heads, kvh, d, bs, static_cast<float>(scale)};
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      Scratch<T> sc(d);
+      for (int64_t i; (i = next.fetch_add(1)) < n_items;) run_item(p, items[i], sc);
+    });
   });
 }

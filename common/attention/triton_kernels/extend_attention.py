@@ -76,7 +76,7 @@ def _extend_kernel(
         kv_off = (blk * stride_cb + (n % PAGE_SIZE) * stride_cs + kv_head * stride_ch)[:, None] \
             + d[None, :]  # [BLOCK_N, BLOCK_D]
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # half KV widened
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         # every row keeps key 0 visible, so no row's max is -inf (rows past q_len see more
         # keys than they should, but they are never stored)
@@ -85,7 +85,7 @@ def _extend_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, SUM_COMBINE)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 

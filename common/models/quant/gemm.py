@@ -38,6 +38,10 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     """x [M, K] fp32 -> x W^T (+ bias [N]) (+ residual [M, N]) as [M, N] fp32."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be [M, {w.in_features}], got {tuple(x.shape)}")
+    if x.dtype != torch.float32:  # half activations (--dtype): multiply in fp32, round back
+        y = packed_linear(x.float(), w, None if bias is None else bias.float(),
+                          None if residual is None else residual.float())
+        return y.to(x.dtype)
     if x.is_cuda:
         from pdserve.common.models.quant.triton_gemm import triton_packed_linear
         return triton_packed_linear(x, w, bias, residual)
