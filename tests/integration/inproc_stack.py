@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -23,6 +24,7 @@ class InprocStack:
 @contextlib.contextmanager
 def inproc_stack(max_model_len: int = 256) -> Iterator[InprocStack]:
     from pdserve.services.engine_host.engine_server import build_core, start_engine_server
+    from pdserve.services.launcher import http_ok
     from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
     from pdserve.services.router.config import RouterConfig
     from pdserve.services.router.server import start_router
@@ -40,9 +42,14 @@ def inproc_stack(max_model_len: int = 256) -> Iterator[InprocStack]:
     engine = router = None
     try:
         engine = run(start_engine_server(cfg, core))
+        assert run(engine.engine.wait_warmed_up(), 120)  # SERVING only after its warm-up
         eaddr = f"127.0.0.1:{engine.port}"
         router = run(start_router(RouterConfig(model="tiny", backends=(eaddr,), port=0,
                                                grpc_port=0, health_interval_s=0.2)))
+        deadline = time.monotonic() + 60  # until the router has seen the engine SERVING
+        while not http_ok(f"http://127.0.0.1:{router.http_port}/health"):
+            assert time.monotonic() < deadline, "the router never saw the engine SERVING"
+            time.sleep(0.1)
         yield InprocStack(eaddr, f"127.0.0.1:{router.grpc_port}",
                           f"http://127.0.0.1:{router.http_port}")
     finally:

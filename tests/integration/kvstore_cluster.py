@@ -34,7 +34,7 @@ def node_addresses(master_addr: str, tls_dir: str = "") -> dict[str, str]:
         return {n.node_id: n.address for n in stats.nodes}
 
 
-def _master_up(addr: str, tls_dir: str) -> bool:
+def _master_up(addr: str, tls_dir: str = "") -> bool:
     with _channel(addr, tls_dir) as ch:
         try:
             pb_grpc.KVStoreMasterStub(ch).Stats(pb.StatsRequest(), timeout=1)

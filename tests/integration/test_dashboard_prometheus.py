@@ -62,6 +62,7 @@ async def start_stack(redis_url: str):
                                   metrics_port=mport)
         core = await loop.run_in_executor(None, build_core, cfg)
         running = await start_engine_server(cfg, core)
+        assert await running.engine.wait_warmed_up()  # SERVING after warm-up
         stops.append(lambda r=running: r.stop(0.5))
         engines[role] = f"127.0.0.1:{running.port}"
         targets[role] = f"127.0.0.1:{mport}"

@@ -50,6 +50,7 @@ async def engine(role: str, store: str):
                               max_model_len=256, kv_store=store, kv_transport="tcp")
     core = await asyncio.get_running_loop().run_in_executor(None, build_core, cfg)
     running = await start_engine_server(cfg, core)
+    assert await running.engine.wait_warmed_up()  # SERVING after warm-up
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as ch:
             yield ch

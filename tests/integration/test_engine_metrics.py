@@ -47,6 +47,7 @@ def test_metrics_breakdown_and_spans_of_one_instance():
 
     async def main():
         running = await start_engine_server(cfg, EngineCore(cfg.engine_config()), tracing)
+        assert await running.engine.wait_warmed_up()  # SERVING after warm-up
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as ch:
                 with client_span("client", tracer=tracing.tracer) as root:

@@ -25,6 +25,7 @@ def serve(role: str, body):
 
     async def main():
         running = await start_engine_server(cfg, EngineCore(cfg.engine_config()))
+        assert await running.engine.wait_warmed_up()  # SERVING after warm-up
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as ch:
                 return await body(ch)

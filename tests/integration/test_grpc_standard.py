@@ -66,9 +66,15 @@ def test_engine_and_router_health_follow_their_state():
     async def main():
         engine = await start_engine_server(cfg, core)
         eaddr = f"127.0.0.1:{engine.port}"
+        assert await checked(eaddr) == NOT_SERVING or engine.engine.warmed_up  # warming up
+        assert await engine.engine.wait_warmed_up()
         router = await start_router(RouterConfig(model="tiny", backends=(eaddr,), port=0,
                                                  grpc_port=0, health_interval_s=0.2))
         raddr = f"127.0.0.1:{router.grpc_port}"
+        for _ in range(100):  # the router's first poll of the engine
+            if await checked(raddr) == SERVING:
+                break
+            await asyncio.sleep(0.1)
         try:
             for address, service in ((raddr, "pdserve.v1.Router"),
                                      (eaddr, "pdserve.v1.DecodeService"),

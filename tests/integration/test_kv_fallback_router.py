@@ -66,6 +66,7 @@ async def router_over(prefills: list[str]):
                               max_model_len=256)
     core = await asyncio.get_running_loop().run_in_executor(None, build_core, cfg)
     engine = await start_engine_server(cfg, core)
+    assert await engine.engine.wait_warmed_up()  # SERVING after warm-up
     router = None
     try:
         router = await start_router(RouterConfig(

@@ -178,6 +178,7 @@ def test_cached_tokens_stay_within_a_tenant(tmp_path):
 
     async def main():
         engine = await start_engine_server(ecfg, EngineCore(ecfg.engine_config()))
+        assert await engine.engine.wait_warmed_up()  # SERVING after warm-up
         running = None
         try:
             running = await start_router(RouterConfig(
