@@ -4,29 +4,10 @@ import asyncio
 
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.telemetry.metrics import RouterMetrics
-from pdserve.services.router.dispatch.engine_stream import Delta
 from pdserve.services.router.dispatch.job import fan_out
 from pdserve.services.router.dispatch.job_run import JobRun
-
-
-class _Stream:
-    def __init__(self, deltas):
-        self._deltas = list(deltas)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if not self._deltas:
-            raise StopAsyncIteration
-        return self._deltas.pop(0)
-
-    def cancel(self):
-        pass
-
-
-def _delta(tokens, finish=None):
-    return Delta("x" * len(tokens), tuple(tokens), (), finish, 3, 0, len(tokens))
+from pdserve.tests.unit.fake_streams import CannedStream as _Stream
+from pdserve.tests.unit.fake_streams import delta as _delta
 
 
 def _count(metrics: RouterMetrics, name: str, priority: str) -> float:
