@@ -79,13 +79,16 @@ def model_logits(rows: int):
     llm = LLM(EngineConfig(model="smollm2", num_threads=torch.get_num_threads(),
                            cache=CacheConfig(num_blocks=rows * 4 + 16)))
     seen = []
-    sampler = llm.engine.runner.sampler
+    sampler = llm.engine.sampler  # EngineCore samples the runner's logits
 
-    def record(logits, reqs):
-        seen.append(logits.clone())
-        return sampler(logits, reqs)
+    class Recording:  # the engine's sampler, keeping each step's logits
+        check = sampler.check
 
-    llm.engine.runner.sampler = record
+        def __call__(self, logits, reqs):
+            seen.append(logits.clone())
+            return sampler(logits, reqs)
+
+    llm.engine.sampler = Recording()
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (32,), generator=gen).tolist() for _ in range(rows)]
     llm.generate(prompts, SamplingParams(max_tokens=3, temperature=1.0, seed=0, ignore_eos=True))
