@@ -1,6 +1,6 @@
 """The `--itl-target-ms` trade-off curve: ITL p50/p99 against throughput, served colocated.
 
-    flock /tmp/pdserve-cpu.lock python -m pdserve.bench.serve_itl_sweep \
+    python -m pdserve.bench.serve_itl_sweep \
         --targets 0 150 250 400 [--model smollm2] [--rate 2] [--num-prompts 48]
 
 For each target (0: the fixed budget) it starts `pdserve up --mode colocated` with that

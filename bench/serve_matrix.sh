@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The served-path benchmark of docs/served-performance.md, one job at a time:
-#   flock /tmp/pdserve-cpu.lock bash bench/serve_matrix.sh colocated|disagg [OUT_DIR]
+#   bash bench/serve_matrix.sh colocated|disagg [OUT_DIR]
 # starts `pdserve up` (SmolLM2 fp32, prefix caching off), runs `pdserve bench serve` with 64
 # random prompts of 256 -> 128 tokens (EOS ignored) at rate 2 and all at once, greedy and at
 # temperature 1.0, reads the engine's step breakdown (serve_profile) during the saturated
