@@ -4,8 +4,8 @@ all-reduce (common/distributed/shm_comm.py), at SmolLM2's decode shapes (hidden 
 
 Every rank is its own process with one torch thread, as in the engine; both implementations
 run in the same processes, alternating, and each figure is the median over --reps calls (after
-a warm-up). Prints a table, the ratio gloo/shm and one JSON line. Run it alone (under
-`flock /tmp/pdserve-cpu.lock`): the ranks spin while they wait for each other.
+a warm-up). Prints a table, the ratio gloo/shm and one JSON line. Run it alone, nothing
+else on the machine: the ranks spin while they wait for each other.
 
     .venv/bin/python -m pdserve.bench.allreduce_cpu [--world 2] [--reps 2000]
 """
