@@ -144,7 +144,9 @@ class ParallelConfig:
 
     tensor_parallel_size: ranks that each hold 1/T of every layer's heads and features (and of
     the KV cache); the engine process is rank 0 and starts T-1 workers.
-    pipeline_parallel_size: not implemented; only 1 is accepted.
+    pipeline_parallel_size: stages that each hold a contiguous run of the decoder layers (and
+    their KV cache); each stage is a tensor-parallel group of tensor_parallel_size ranks, so the
+    engine runs T x P processes.
     all_reduce: how CPU ranks sum partial results: "shm" (shared memory between the ranks on
     this host), "gloo" (torch.distributed), "auto" (shm on the CPU, the group's backend on
     CUDA).
@@ -157,14 +159,17 @@ class ParallelConfig:
     def __post_init__(self):
         _require(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size", "in [1, 64]",
                  self.tensor_parallel_size)
-        _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", ">= 1",
-                 self.pipeline_parallel_size)
-        if self.pipeline_parallel_size != 1:
-            raise NotImplementedError(
-                "pipeline_parallel_size > 1 is not implemented yet (issue 15); use "
-                "tensor_parallel_size to split a model across processes")
+        _require(1 <= self.pipeline_parallel_size <= 64, "pipeline_parallel_size",
+                 "in [1, 64]", self.pipeline_parallel_size)
+        _require(self.world_size <= 64, "tensor_parallel_size x pipeline_parallel_size",
+                 "<= 64", self.world_size)
         _require(self.all_reduce in ("auto", "shm", "gloo"), "all_reduce",
                  "one of auto, shm, gloo", self.all_reduce)
+
+    @property
+    def world_size(self) -> int:
+        """Processes of one engine (rank 0 is the engine process)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 `Executor` is what EngineCore calls. `UniProcExecutor` runs the whole model in the engine
 process. `MultiProcExecutor` (tensor parallel) runs rank 0 in the engine process and T-1 worker
-processes (worker.py) beside it.
+processes (worker.py) beside it. `PipelineExecutor` (pipeline_executor.py) runs P stages of T
+ranks each, with up to P steps in flight.
 
 MultiProcExecutor lifecycle:
 1. `start_workers` spawns the workers, hosts the torch.distributed store, joins the group
@@ -30,6 +31,7 @@ from typing import Optional, Protocol
 import socket
 import subprocess
 import sys
+import threading
 from multiprocessing.connection import Connection
 
 import torch
@@ -45,14 +47,16 @@ log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0  # loading SmolLM2 in T processes on 2 shared cores can be slow
 _STOP_WAIT_S = 5.0
 _DEATH_GRACE_S = 1.0  # after a failed step: time for a dying worker to show as dead
+_WATCH_S = 0.05  # how often the pipeline's watch thread looks at the workers
 
 
 class WorkerDiedError(EngineFatalError):
-    """A tensor-parallel worker died or failed; the engine cannot go on."""
+    """A tensor- or pipeline-parallel worker died or failed; the engine cannot go on."""
 
 
 class Executor(Protocol):
     runner: ModelRunner  # rank 0's
+    depth: int  # steps that may be in flight at once (submit before collect); 1: one at a time
     # every rank's KV caches, rank order (the KV connector's view); T > 1: only when they
     # were put in shared memory for a connector (kv_share.py), else rank 0's alone
     kv_shards: list[list[torch.Tensor]]
@@ -61,6 +65,12 @@ class Executor(Protocol):
                       ) -> torch.Tensor:
         """Run a non-empty step on every rank; logits [N, V] of the sampled chunks."""
 
+    def submit(self, out: SchedulerOutput) -> None:
+        """Start a non-empty step; at most `depth` may be started and not collected."""
+
+    def collect(self) -> torch.Tensor:
+        """Logits [N, V] of the oldest started step's sampled chunks (waits for them)."""
+
     def check_health(self) -> None:
         """Raise WorkerDiedError when a rank is gone."""
 
@@ -68,7 +78,25 @@ class Executor(Protocol):
         """Stop every rank; idempotent."""
 
 
-class UniProcExecutor:
+class _OneAtATime:
+    """submit / collect for executors that run a step in one call (depth 1)."""
+
+    depth = 1
+    _started: Optional[SchedulerOutput] = None
+
+    def submit(self, out: SchedulerOutput) -> None:
+        if self._started is not None:
+            raise RuntimeError("a step is already started: collect it first")
+        self._started = out
+
+    def collect(self) -> torch.Tensor:
+        out, self._started = self._started, None
+        if out is None:
+            raise RuntimeError("no step started")
+        return self.execute_model(out)
+
+
+class UniProcExecutor(_OneAtATime):
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.kv_shards = [runner.kv_caches]
@@ -84,12 +112,17 @@ class UniProcExecutor:
 
 
 class WorkerGroup:
-    """The T-1 worker processes and rank 0's end of the group (stage 1 of the lifecycle).
+    """The T*P-1 worker processes and rank 0's end of the group (stage 1 of the lifecycle).
 
     Workers are fresh interpreters (`python -m pdserve.common.distributed.worker FD`), not
     multiprocessing children: spawn would re-run the caller's __main__ (a console script has no
     guard), and fork is unsafe in a process with gRPC and OpenMP threads. Each gets one end of
-    a socketpair; its WorkerSpec goes over it first, then the steps."""
+    a socketpair; its WorkerSpec goes over it first, then the steps.
+
+    With pipeline stages (P > 1) a watch thread kills every worker as soon as one dies: a
+    rank of a later stage can be blocked on a peer that rank 0 has no collective with (a
+    stage's shared-memory barrier, a hand-off), and the kill makes rank 0's own wait (a
+    receive from the last stage) fail instead of running into the collective timeout."""
 
     def __init__(self, config: EngineConfig, num_blocks: int, slot_floats: int,
                  model: Optional[tuple[ModelConfig, dict]] = None,
@@ -101,34 +134,51 @@ class WorkerGroup:
         from pdserve.common.distributed.torch_comm import init_group, make_store
 
         self.comm = None
-        world = config.parallel.tensor_parallel_size
+        self._stop_watch = threading.Event()
+        par = config.parallel
+        tp, world = par.tensor_parallel_size, par.world_size
         self.kv_paths: list[str] = []
-        if shared_kv is not None:
-            self.kv_paths = create_kv_files(shared_kv, world, num_blocks,
+        if shared_kv is not None:  # (refused with pipeline stages: the engine checks)
+            self.kv_paths = create_kv_files(shared_kv, tp, num_blocks,
                                             config.cache.block_size)
         self._store = make_store(0, world, is_master=True)
-        use_shm = config.parallel.all_reduce != "gloo" and config.device == "cpu"
-        shm = make_buffers(world, slot_floats) if use_shm else None
-        self._shm_path = shm.path if shm is not None else None
+        use_shm = par.all_reduce != "gloo" and config.device == "cpu" and tp > 1
+        # one set of all-reduce buffers per stage's tensor-parallel group
+        self._shm = [make_buffers(tp, slot_floats) for _ in range(par.pipeline_parallel_size)
+                     ] if use_shm else []
+        self._shm_paths = [b.path for b in self._shm]
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns,
-                                           shm.path if shm is not None else None,
-                                           list(self.kv_paths))
+                                           list(self._shm_paths), list(self.kv_paths))
         try:
             for rank in range(1, world):
                 spec = WorkerSpec(rank, world, self._store.port, config, num_blocks, model,
-                                  shm.path if shm is not None else None, slot_floats,
-                                  self.kv_paths[rank] if self.kv_paths else None)
+                                  self._shm_paths[rank // tp] if self._shm else None,
+                                  slot_floats, self.kv_paths[rank] if self.kv_paths else None)
                 self._spawn(spec)
             self._expect("hello")
-            comm = init_group(self._store, 0, world, config.device)
-            if shm is not None:
-                comm = ShmCommunicator(0, world, shm.ctrl, shm.data, self.alive, comm)
+            comm = init_group(self._store, 0, world, config.device, tp)
+            if self._shm:
+                comm = ShmCommunicator(0, tp, self._shm[0].ctrl, self._shm[0].data,
+                                       self.alive, comm)
         except BaseException:
             self.close()
             raise
         self.comm = comm
+        if par.pipeline_parallel_size > 1:
+            threading.Thread(target=self._watch, daemon=True,
+                             name="pdserve-worker-watch").start()
+
+    def _watch(self) -> None:
+        while not self._stop_watch.wait(_WATCH_S):
+            if not self.alive():
+                for buf in self._shm:
+                    buf.abort()
+                for p in self.procs:
+                    if p.poll() is None:
+                        p.kill()
+                return
 
     def _spawn(self, spec: WorkerSpec) -> None:
         mine, theirs = socket.socketpair()
@@ -184,22 +234,25 @@ class WorkerGroup:
         except BaseException:
             self.close()
             raise
-        if self._shm_path is not None:  # every rank mapped it: the name is no longer needed
-            os.unlink(self._shm_path)
-            self._shm_path = None
+        for path in self._shm_paths:  # every rank mapped them: the names are no longer needed
+            os.unlink(path)
+        self._shm_paths = []
         from pdserve.common.distributed.kv_share import unlink_kv_files
         unlink_kv_files(self.kv_paths)  # rank 0 mapped them all before this
 
     def close(self) -> None:
         comm, self.comm = self.comm, None
         if comm is not None:
+            self._stop_watch.set()
             comm.abort()  # a worker stuck in a barrier raises instead of spinning on
+            for buf in self._shm:  # (the other stages' groups too)
+                buf.abort()
         self._finalizer()
         if comm is not None:
             comm.close()
 
 
-def _shutdown(procs, conns, shm_path, kv_paths) -> None:
+def _shutdown(procs, conns, shm_paths, kv_paths) -> None:
     for conn in conns:
         try:
             conn.send_bytes(pickle.dumps(None))
@@ -214,14 +267,12 @@ def _shutdown(procs, conns, shm_path, kv_paths) -> None:
             p.wait(_STOP_WAIT_S)
     for conn in conns:
         conn.close()
-    if shm_path is not None and os.path.exists(shm_path):
-        os.unlink(shm_path)
-    for path in kv_paths:
+    for path in shm_paths + kv_paths:
         if os.path.exists(path):
             os.unlink(path)
 
 
-class MultiProcExecutor:
+class MultiProcExecutor(_OneAtATime):
     def __init__(self, runner: ModelRunner, workers: WorkerGroup,
                  kv_shards: Optional[list[list[torch.Tensor]]] = None):
         self.runner, self.workers = runner, workers
@@ -230,32 +281,39 @@ class MultiProcExecutor:
 
     def execute_model(self, out, layer_done=None) -> torch.Tensor:
         self.check_health()
-        payload = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            for conn in self.workers.conns:
-                conn.send_bytes(payload)
+            self._send_step(out)
             logits = self.runner.execute(out, layer_done)
         except Exception as exc:
-            # the ranks may now be at different collectives: no later step could pair them up
-            died = self.workers.any_died_within(_DEATH_GRACE_S)
-            self._fail()
-            if died:
-                raise WorkerDiedError(f"a tensor-parallel worker died during a step: "
-                                      f"{exc}") from exc
-            raise
+            self._failed(exc)
         return logits
+
+    def _send_step(self, out: SchedulerOutput) -> None:
+        payload = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self.workers.conns:
+            conn.send_bytes(payload)
+
+    def _failed(self, exc: Exception):
+        """A step failed on rank 0: stop everything and raise (WorkerDiedError when a worker
+        died: then that is the cause)."""
+        # the ranks may now be at different collectives: no later step could pair them up
+        died = self.workers.any_died_within(_DEATH_GRACE_S)
+        self._fail()
+        if died:
+            raise WorkerDiedError(f"a worker died during a step: {exc}") from exc
+        raise exc
 
     def check_health(self) -> None:
         if self._closed:
-            raise WorkerDiedError("the tensor-parallel workers are stopped")
+            raise WorkerDiedError("the workers are stopped")
         if not self.workers.alive():
             self._fail()
             dead = [f"{r} (exit code {p.returncode})"
                     for r, p in enumerate(self.workers.procs, start=1) if p.poll() is not None]
-            raise WorkerDiedError(f"tensor-parallel worker(s) {', '.join(dead)} died")
+            raise WorkerDiedError(f"worker(s) {', '.join(dead)} died")
 
     def _fail(self) -> None:
-        log.error("tensor-parallel step failed; stopping the workers (engine pid %d)",
+        log.error("a parallel step failed; stopping the workers (engine pid %d)",
                   os.getpid())
         self.close()
 

@@ -83,3 +83,76 @@ def check_tp_split(cfg: ModelConfig, tp_size: int) -> None:
 def vocab_shard(vocab_size: int, tp_size: int) -> int:
     """Rows of the vocabulary each rank holds (the last rank's shard is padded)."""
     return -(-vocab_size // tp_size)
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """Which decoder layers one pipeline stage holds: [first_layer, first_layer + num_layers).
+    The first stage also holds the embedding, the last the final norm and the LM head."""
+
+    stage: int = 0
+    size: int = 1
+    first_layer: int = 0
+    num_layers: int = -1  # -1: every layer (size 1)
+
+    def __post_init__(self):
+        if not 0 <= self.stage < self.size:
+            raise ValueError(f"pipeline stage {self.stage} is not in [0, {self.size})")
+        if self.size > 1 and self.num_layers < 1:
+            raise ValueError("a pipeline stage holds at least one layer")
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.size - 1
+
+    def layers(self, total: int) -> range:
+        n = total if self.num_layers < 0 else self.num_layers
+        return range(self.first_layer, self.first_layer + n)
+
+
+WHOLE_MODEL = PipelineStage()
+
+
+def pipeline_stage(num_layers: int, stage: int, size: int) -> PipelineStage:
+    """Stage `stage` of `size`: contiguous runs of layers whose counts differ by at most one;
+    the first num_layers % size stages hold one more (the last stage also runs the LM head,
+    the largest matmul, while the first stage's embedding is only a lookup)."""
+    check_pp_split(num_layers, size)
+    first, count = kv_head_range(num_layers, stage, size)  # the same even split
+    return PipelineStage(stage, size, first, count)
+
+
+def check_pp_split(num_layers: int, pp_size: int) -> None:
+    if num_layers < pp_size:
+        raise ValueError(f"pipeline_parallel_size {pp_size} is larger than the model's "
+                         f"{num_layers} decoder layers (each stage needs one); use at most "
+                         f"{num_layers}")
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Global rank = stage * T + tensor-parallel rank: each stage's T ranks are consecutive,
+    and rank 0 (the engine process) is tensor rank 0 of the first stage."""
+
+    rank: int
+    tp_size: int
+    pp_size: int
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.tp_size * self.pp_size:
+            raise ValueError(f"rank {self.rank} is not in [0, {self.tp_size * self.pp_size})")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp_size
+
+    def global_rank(self, stage: int, tp_rank: int) -> int:
+        return stage * self.tp_size + tp_rank

@@ -52,6 +52,11 @@ class ShmBuffers:
     ctrl: torch.Tensor  # int64 [world + 1, 16]
     data: torch.Tensor  # float32 [2, world, slot]
 
+    def abort(self) -> None:
+        """Raise the abort flag (as ShmCommunicator.abort) from a process outside the group
+        (rank 0, for another pipeline stage's group)."""
+        self.ctrl[self.ctrl.shape[0] - 1, 0] = 1
+
 
 def _nbytes(world_size: int, slot_floats: int) -> tuple[int, int]:
     ctrl = (world_size + 1) * _LINE * 8

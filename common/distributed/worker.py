@@ -1,11 +1,13 @@
-"""A tensor-parallel worker process (ranks 1..T-1; the engine process is rank 0).
+"""A tensor- or pipeline-parallel worker process (ranks 1..T*P-1; the engine process is rank 0).
 
 Lifecycle, driven by rank 0 over a socket (`python -m pdserve.common.distributed.worker FD`):
 1. receives its `WorkerSpec`; sends ("hello",), joins the torch.distributed group,
 2. loads the model, keeps only its shard, allocates its part of the KV cache, and sends
    ("ready",) or ("error", message),
 3. loops: receives a pickled SchedulerOutput and runs the forward (the collectives inside pair
-   it with the other ranks); None, or the socket closing (rank 0 died), ends the loop.
+   it with the other ranks); None, or the socket closing (rank 0 died), ends the loop. A
+   pipeline stage after the first first receives the previous stage's hidden states, and
+   hands its own on (pipeline.py); the last stage's tensor rank 0 sends rank 0 the logits.
 A failure in a collective (a peer died) ends the process with an error; nothing is retried.
 A watchdog thread ends the process when rank 0 is gone (its parent changes), whatever the
 main thread is blocked in.
@@ -31,14 +33,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    rank: int
-    world_size: int
+    rank: int  # global: stage * T + tensor rank (layout.RankPlace)
+    world_size: int  # T x P
     store_port: int
     config: EngineConfig
     num_blocks: int
     # the model to load when the engine was given one in memory (tests); None -> by name
     model: Optional[tuple[ModelConfig, dict]] = None
-    shm_path: Optional[str] = None  # the shared-memory all-reduce's buffers (shm_comm.py)
+    shm_path: Optional[str] = None  # its stage's shared-memory all-reduce buffers (shm_comm)
     slot_floats: int = 0
     kv_path: Optional[str] = None  # this rank's KV cache file (kv_share.py), with a connector
 
@@ -64,14 +66,14 @@ def _watch_parent(parent: int) -> None:
 
 
 def worker_main(spec: WorkerSpec, conn, parent: int) -> None:
-    logging.basicConfig(level=logging.WARNING, format=f"[tp rank {spec.rank}] %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {spec.rank}] %(message)s")
     comm = None
     try:
         conn.send(("hello",))
         comm = _join(spec, parent)
-        runner = _build(spec, comm)
+        runner, link = _build(spec, comm)
         conn.send(("ready",))
-        _loop(conn, runner)
+        _loop(conn, runner, link)
     except (EOFError, BrokenPipeError):
         pass  # rank 0 went away: nothing left to serve
     except BaseException as exc:  # report what we can, then die: rank 0 takes the engine down
@@ -79,7 +81,7 @@ def worker_main(spec: WorkerSpec, conn, parent: int) -> None:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass
-        log.exception("tensor-parallel worker failed")
+        log.exception("worker failed")
         sys.exit(1)
     finally:
         if comm is not None:
@@ -93,17 +95,20 @@ def _join(spec: WorkerSpec, parent: int):
     cfg = spec.config
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
+    tp = cfg.parallel.tensor_parallel_size
     store = make_store(spec.store_port, spec.world_size, is_master=False)
-    comm = init_group(store, spec.rank, spec.world_size, cfg.device)
+    comm = init_group(store, spec.rank, spec.world_size, cfg.device, tp)
     if spec.shm_path is not None:
-        shm = attach_buffers(spec.shm_path, spec.world_size, spec.slot_floats)
-        comm = ShmCommunicator(spec.rank, spec.world_size, shm.ctrl, shm.data,
+        shm = attach_buffers(spec.shm_path, tp, spec.slot_floats)
+        comm = ShmCommunicator(comm.rank, tp, shm.ctrl, shm.data,
                                lambda: os.getppid() == parent, comm)
     return comm
 
 
 def _build(spec: WorkerSpec, comm):
-    from pdserve.common.distributed.layout import TensorParallel
+    from pdserve.common.distributed.layout import RankPlace, TensorParallel, pipeline_stage
+    from pdserve.common.distributed.pipeline import StageLink
+    from pdserve.common.models.dtype import resolve_dtype
     from pdserve.common.engine.model_runner import ModelRunner
     from pdserve.common.engine.rank_model import (allocate_kv_caches, build_rank_model,
                                                   rank_device)
@@ -117,27 +122,43 @@ def _build(spec: WorkerSpec, comm):
         loaded = load_model(cfg.model, tiny_seed=cfg.tiny_model_seed, weights=cfg.weights)
         model_config, weights = loaded.config, loaded.weights
     device = rank_device(cfg.device, spec.rank, spec.world_size)
-    tp = TensorParallel(spec.rank, spec.world_size, comm)
-    model = build_rank_model(cfg, model_config, weights, tp, device)
+    par = cfg.parallel
+    place = RankPlace(spec.rank, par.tensor_parallel_size, par.pipeline_parallel_size)
+    tp = TensorParallel(place.tp_rank, place.tp_size, comm if place.tp_size > 1 else None)
+    pp = pipeline_stage(model_config.num_layers, place.stage, place.pp_size)
+    model = build_rank_model(cfg, model_config, weights, tp, device, pp)
     del weights  # keep only this rank's shard
     if spec.kv_path is not None:  # fp32 only: the engine refuses a half KV dtype with it
         from pdserve.common.distributed.kv_share import map_rank_kv
         caches = map_rank_kv(spec.kv_path, model_config, spec.rank, spec.world_size,
                              spec.num_blocks, cfg.cache.block_size)
     else:
-        caches = allocate_kv_caches(model_config, (spec.rank, spec.world_size),
+        caches = allocate_kv_caches(model_config, (place.tp_rank, place.tp_size),
                                     spec.num_blocks, cfg.cache.block_size, device,
-                                    engine_kv_dtype(cfg))
-    return ModelRunner(model, caches, cfg.cache.block_size, device)
+                                    engine_kv_dtype(cfg), pp)
+    link = None
+    if place.pp_size > 1:
+        link = StageLink(place, model_config.hidden_size, resolve_dtype(cfg.dtype, device),
+                         model_config.vocab_size, device)
+    return ModelRunner(model, caches, cfg.cache.block_size, device), link
 
 
-def _loop(conn, runner) -> None:
+def _loop(conn, runner, link) -> None:
+    """Steps in order until told to stop. `link`: the pipeline hand-off (None without
+    stages)."""
+    pp = runner.model.pp
+    send_logits = pp.is_last and link is not None and link.place.tp_rank == 0
     while True:
         payload = conn.recv_bytes()
         out = pickle.loads(payload)
-        if out is None:
+        if out is None:  # rank 0 collected every step: no send is still wanted
             return
-        runner.execute(out)
+        hidden_in = None if pp.is_first else link.recv_hidden(out.num_tokens)
+        result = runner.execute(out, hidden_in=hidden_in)
+        if not pp.is_last:
+            link.send_hidden(result)  # [T, hidden]
+        elif send_logits and result.shape[0]:
+            link.send_logits(result)  # [N, vocab]
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "--num-threads is per process")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int,
                    default=ParallelConfig.pipeline_parallel_size,
-                   help="pipeline stages (only 1: pipeline parallel is not implemented)")
+                   help="pipeline stages, each a contiguous run of the layers on "
+                        "--tensor-parallel-size processes (T x P processes in all)")
     p.add_argument("--tp-all-reduce", choices=["auto", "shm", "gloo"],
                    default=ParallelConfig.all_reduce,
                    help="how CPU ranks sum partial results: shared memory (auto) or gloo")

@@ -1,5 +1,5 @@
 """EngineCore: the single-threaded loop that owns the scheduler, the KV cache and the model's
-executor (rank 0 of the model, plus tensor-parallel workers when T > 1).
+executor (rank 0 of the model, plus tensor- and pipeline-parallel workers when T x P > 1).
 
 Lifecycle: construct (starts the workers, loads weights, plans and allocates the KV cache) ->
 `add_request` / `abort_request` at any time between steps -> `step()` repeatedly while
@@ -9,7 +9,9 @@ thread-safe: services drive it from one thread. Implements `EngineClient` (proto
 A step: the scheduler decides (`schedule`), the executor runs the forward on every rank, rank 0
 samples, and the scheduler books the result (`update_from_output`); the engine only turns the
 requests it returns into outputs. A step that raises (a dead worker) leaves the engine broken:
-close it.
+close it. With pipeline stages (P > 1) a `step()` starts the next batch before it books the
+oldest one in flight (up to P in flight; the scheduler's batch queue), so the stages overlap;
+a step that only started a batch returns no output.
 
 Bad input (`add_request`) raises ValueError naming the field; nothing is queued then, and every
 other request goes on.
@@ -20,14 +22,16 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import deque
 from typing import Callable, Optional
 
 import torch
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.distributed.executor import Executor, MultiProcExecutor, UniProcExecutor
-from pdserve.common.distributed.layout import (SINGLE, TensorParallel, check_tp_split,
-                                              kv_head_range, vocab_shard)
+from pdserve.common.distributed.layout import (SINGLE, RankPlace, TensorParallel,
+                                              check_pp_split, check_tp_split, kv_head_range,
+                                              pipeline_stage, vocab_shard)
 from pdserve.common.engine.kv_connector import KVConnector
 from pdserve.common.engine.kv_transfer import NO_KV_TRANSFER, KVTransferParams
 from pdserve.common.engine.model_runner import ModelRunner
@@ -38,10 +42,12 @@ from pdserve.common.kv.dtype import engine_kv_dtype, kv_bytes_per_token
 from pdserve.common.engine.request import Request, RequestStatus
 from pdserve.common.engine.sampler import Sampler
 from pdserve.common.engine.scheduler import Scheduler
+from pdserve.common.engine.scheduler_output import SchedulerOutput
 from pdserve.common.kv.block_pool import BlockPool
 from pdserve.common.kv.kv_cache_manager import KVCacheManager
 from pdserve.common.kv.memory import available_memory_bytes, plan_kv_blocks
 from pdserve.common.models.cpu_gemm import resolve_cpu_gemm
+from pdserve.common.models.dtype import resolve_dtype
 from pdserve.common.models.quant.footprint import loaded_weights_footprint
 from pdserve.common.models.registry import LoadedModel, load_model
 from pdserve.common.sampling_params import SamplingParams
@@ -62,6 +68,7 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         self.config = config
         tp_size = config.parallel.tensor_parallel_size
+        world = config.parallel.world_size
         given = loaded is not None
         loaded = loaded or load_model(config.model, tiny_seed=config.tiny_model_seed,
                                       weights=config.weights)
@@ -69,16 +76,24 @@ class EngineCore:
         self.model_config = cfg = loaded.config
         self.fingerprint = loaded.fingerprint
         check_tp_split(cfg, tp_size)
+        check_pp_split(cfg.num_layers, config.parallel.pipeline_parallel_size)
+        if connector_factory is not None and config.parallel.pipeline_parallel_size > 1:
+            raise NotImplementedError(
+                "a KV connector (--kv-store, disaggregated prefill/decode) with "
+                "pipeline_parallel_size > 1 is not implemented: the connector saves and loads "
+                "every layer from rank 0, which holds only the first stage's layers (the later "
+                "stages' caches are not shared with it); use tensor_parallel_size instead")
         cc = config.cache
         # ranks on one host share its memory (the budget covers all of them); GPUs have their own
         self.kv_dtype = engine_kv_dtype(config)
         per_token = kv_bytes_per_token(cfg.kv_bytes_per_token, self.kv_dtype)
-        if config.device != "cpu":  # the busiest rank holds the most KV heads
+        if config.device != "cpu":  # the busiest rank holds the most KV heads and layers
+            stage0 = pipeline_stage(cfg.num_layers, 0, config.parallel.pipeline_parallel_size)
             per_token = per_token * kv_head_range(cfg.num_kv_heads, 0, tp_size)[1] \
-                // cfg.num_kv_heads
+                * stage0.num_layers // (cfg.num_kv_heads * cfg.num_layers)
         self.weights_footprint = loaded_weights_footprint(loaded.weights, tp_size == 1)
         model, self.peak = None, None
-        if tp_size == 1:
+        if world == 1:
             model = build_rank_model(config, cfg, loaded.weights, SINGLE,
                                      rank_device(config.device, 0, 1))
             if cc.num_blocks is None and cc.kv_cache_bytes is None:  # planned from memory
@@ -104,7 +119,8 @@ class EngineCore:
         sc = config.scheduler
         self.scheduler = Scheduler(self.kv, sc.max_num_seqs, sc.max_num_batched_tokens,
                                    sc.enable_chunked_prefill, self.connector,
-                                   self.outputs.check_stop)
+                                   self.outputs.check_stop, self.executor.depth)
+        self._pipeline: deque[SchedulerOutput] = deque()  # submitted, not yet booked
         self._seeds = random.Random(config.seed)  # seeds for requests that bring none
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer)
         self._aborted: list[RequestOutput] = []
@@ -179,8 +195,9 @@ class EngineCore:
         connector will read every rank's heads (kv_share.py)."""
         config, cfg = self.config, self.model_config
         tp_size = config.parallel.tensor_parallel_size
-        device = rank_device(config.device, 0, tp_size)
-        if tp_size == 1:
+        pp_size = config.parallel.pipeline_parallel_size
+        device = rank_device(config.device, 0, config.parallel.world_size)
+        if tp_size * pp_size == 1:
             caches = allocate_kv_caches(cfg, (0, 1), num_blocks, config.cache.block_size, device,
                                         self.kv_dtype)
             return UniProcExecutor(ModelRunner(model, caches, config.cache.block_size, device))
@@ -198,9 +215,12 @@ class EngineCore:
         workers = WorkerGroup(config, num_blocks, slot,
                               (cfg, loaded.weights) if given else None,
                               cfg if share_kv else None)
+        stage = pipeline_stage(cfg.num_layers, 0, pp_size)
         try:
             model = build_rank_model(config, cfg, loaded.weights,
-                                     TensorParallel(0, tp_size, workers.comm), device)
+                                     TensorParallel(0, tp_size,
+                                                    workers.comm if tp_size > 1 else None),
+                                     device, stage)
             shards = None
             if share_kv:
                 from pdserve.common.distributed.kv_share import map_all_kv
@@ -208,13 +228,20 @@ class EngineCore:
                 caches = shards[0]
             else:
                 caches = allocate_kv_caches(cfg, (0, tp_size), num_blocks,
-                                            config.cache.block_size, device, self.kv_dtype)
+                                            config.cache.block_size, device, self.kv_dtype,
+                                            stage)
             workers.wait_ready()
         except BaseException:
             workers.close()
             raise
-        return MultiProcExecutor(ModelRunner(model, caches, config.cache.block_size, device),
-                                 workers, shards)
+        runner = ModelRunner(model, caches, config.cache.block_size, device)
+        if pp_size > 1:
+            from pdserve.common.distributed.pipeline import StageLink
+            from pdserve.common.distributed.pipeline_executor import PipelineExecutor
+            link = StageLink(RankPlace(0, tp_size, pp_size), cfg.hidden_size,
+                             resolve_dtype(config.dtype, device), cfg.vocab_size, device)
+            return PipelineExecutor(runner, workers, link, pp_size)
+        return MultiProcExecutor(runner, workers, shards)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -276,10 +303,12 @@ class EngineCore:
         self._aborted.append(self.outputs.make_output(req, finished=True))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._pipeline)
 
     # -- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.executor.depth > 1:
+            return self._step_pipelined()
         t0 = time.perf_counter_ns()
         outputs, self._aborted = self._aborted, []
         sched = self.scheduler.schedule()
@@ -302,6 +331,39 @@ class EngineCore:
         if sched.chunks:
             self.profile.add_step(sched.num_tokens, len(reqs), t0, t1, t2, t3,
                                   time.perf_counter_ns())
+        return outputs
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Start a new batch while fewer than P are in flight; book the oldest one when the
+        pipeline is full or nothing new could start (vLLM's batch queue). In the step profile
+        `schedule` includes starting the batch (the first stage's layers run here) and
+        `forward` is the wait for the oldest batch's logits."""
+        t0 = time.perf_counter_ns()
+        outputs, self._aborted = self._aborted, []
+        started = False
+        if len(self._pipeline) < self.executor.depth:
+            sched = self.scheduler.schedule()  # skips the requests in flight
+            if sched.chunks:
+                self.executor.submit(sched)
+                self._pipeline.append(sched)
+                started = True
+            else:
+                self.executor.check_health()
+                emit = self.scheduler.update_from_output(sched, None)
+                outputs.extend(self._output(req) for req in emit)
+        if not self._pipeline or (started and len(self._pipeline) < self.executor.depth):
+            return outputs
+        t1 = time.perf_counter_ns()
+        done = self._pipeline.popleft()
+        logits = self.executor.collect()
+        t2 = time.perf_counter_ns()
+        reqs = self.scheduler.sampled_requests(done)
+        sampled = self.sampler(logits, reqs) if reqs else None
+        t3 = time.perf_counter_ns()
+        emit = self.scheduler.update_from_output(done, sampled)
+        outputs.extend(self._output(req) for req in emit)
+        self.profile.add_step(done.num_tokens, len(reqs), t0, t1, t2, t3,
+                              time.perf_counter_ns())
         return outputs
 
     def _execute(self, sched) -> torch.Tensor:

@@ -42,13 +42,18 @@ class ModelRunner:
             self.num_buffer_allocs += 1
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, layer_done: Optional[LayerDone] = None
-                ) -> Optional[torch.Tensor]:
+    def execute(self, out: SchedulerOutput, layer_done: Optional[LayerDone] = None,
+                hidden_in: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Run `out` (non-empty). Returns logits [N, V] fp32 for the sampled chunks in order
-        on rank 0 (an [0, V] tensor when none is sampled), None on other ranks.
-        `layer_done(i, kv_cache)` runs after layer i wrote its K/V (the KV connector)."""
+        on the last pipeline stage's tensor rank 0 (an [0, V] tensor when none is sampled),
+        None on its other ranks; a stage before the last returns its hidden states [T, H]
+        for the next stage. `hidden_in` [T, H]: the previous stage's (every stage but the
+        first). `layer_done(i, kv_cache)` runs after layer i wrote its K/V (the connector)."""
         input_ids, positions, meta = self._prepare(out)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_done)  # [T, H]
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_done,
+                            hidden_in)  # [T, H]
+        if not self.model.pp.is_last:
+            return hidden
         ends = meta.query_start_loc[1:].long() - 1  # last token of each chunk
         rows = [i for i, c in enumerate(out.chunks) if c.sample]
         logits = self.model.compute_logits(hidden[ends[rows]])  # [N, V] on rank 0

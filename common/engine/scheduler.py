@@ -16,6 +16,12 @@ blocks for them and waits in WAITING_FOR_KV (using no token budget) until the co
 the load finished (it resumes after the loaded tokens) or failed (it resumes after the blocks
 that did load, and recomputes the rest). Blocks a connector still reads (a save in flight) or
 writes (a cancelled load) are held until it reports them done.
+
+Pipeline parallel (`pipeline_depth` P > 1): up to P scheduled steps may be in flight at once
+(vLLM's batch queue). A request in a step in flight is not scheduled again until that step's
+output is booked, and is never a preemption victim (its blocks are in use down the pipeline);
+each step takes at most ceil(requests / P) sequences, so the requests split into P
+micro-batches that keep every stage busy.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from pdserve.common.engine.scheduler_output import ScheduledChunk, SchedulerOutp
 from pdserve.common.kv.kv_cache_manager import KVCacheManager
 
 StopCheck = Callable[[Request, int], None]  # sets finish_reason after a token was appended
+FINISHED_STATES = frozenset({RequestStatus.FINISHED, RequestStatus.CANCELLED,
+                             RequestStatus.RECLAIMED})
 
 
 class Scheduler:
@@ -42,7 +50,9 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True,
                  connector: Optional[KVConnector] = None,
-                 check_stop: Optional[StopCheck] = None):
+                 check_stop: Optional[StopCheck] = None, pipeline_depth: int = 1):
+        if pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth must be >= 1, got {pipeline_depth}")
         self.kv = kv
         self.connector = connector
         self.check_stop = check_stop
@@ -60,7 +70,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self._in_flight: list[Request] = []  # the last schedule()'s requests, in chunk order
+        self.pipeline_depth = pipeline_depth
+        # the steps scheduled and not yet booked, oldest first: (output, its requests in chunk
+        # order); at most pipeline_depth non-empty ones
+        self._in_flight: deque[tuple[SchedulerOutput, list[Request]]] = deque()
+        self._busy: set[str] = set()  # ids of the requests in those steps
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -78,32 +92,50 @@ class Scheduler:
         self._poll_connector()
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
-        budget = self._schedule_running(scheduled, preempted, self.token_budget)
+        cap = self._seq_cap()
+        budget = self._schedule_running(scheduled, preempted, self.token_budget, cap)
         if not preempted:
-            self._schedule_waiting(scheduled, budget)
+            self._schedule_waiting(scheduled, budget, cap)
         return self._freeze(scheduled, preempted)
+
+    def _seq_cap(self) -> int:
+        """Sequences one step may take: all (P = 1), else a 1/P share of the requests, so
+        that P micro-batches fill the pipeline."""
+        if self.pipeline_depth == 1:
+            return self.max_num_seqs
+        n = len(self.running) + len(self.waiting)
+        return max(1, -(-n // self.pipeline_depth))
+
+    def _entry(self, out: SchedulerOutput) -> int:
+        """Index of `out` in the steps in flight (by identity: two empty steps are equal)."""
+        for i, entry in enumerate(self._in_flight):
+            if entry[0] is out:
+                return i
+        raise RuntimeError("this scheduler output is not in flight (booked already?)")
 
     def _freeze(self, scheduled: list[tuple[Request, int]], preempted: list[str]
                 ) -> SchedulerOutput:
         scheduled.sort(key=lambda rn: rn[1] != 1)  # decodes first, stable
-        self._in_flight = [r for r, _ in scheduled]
         chunks = tuple(
             ScheduledChunk(r.request_id, tuple(r.all_token_ids[r.num_computed_tokens:
                                                                r.num_computed_tokens + n]),
                            r.num_computed_tokens, tuple(self.kv.block_ids(r.request_id)),
                            r.num_computed_tokens + n == r.num_tokens)
             for r, n in scheduled)
-        return SchedulerOutput(chunks, tuple(preempted))
+        out = SchedulerOutput(chunks, tuple(preempted))
+        self._in_flight.append((out, [r for r, _ in scheduled]))
+        self._busy.update(r.request_id for r, _ in scheduled)
+        return out
 
     def sampled_requests(self, out: SchedulerOutput) -> list[Request]:
         """The requests whose rows the sampler draws for `out`, in sampler order."""
-        return [r for r, c in zip(self._in_flight, out.chunks) if c.sample]
+        return [r for r, c in zip(self._in_flight[self._entry(out)][1], out.chunks) if c.sample]
 
     def connector_batch(self, out: SchedulerOutput) -> list[tuple[Request, int, list[int]]]:
         """(request, new tokens, block ids) for the connector's worker side (`begin_step`),
         with each request's block hashes covering its blocks that become full."""
         batch = []
-        for r, c in zip(self._in_flight, out.chunks):
+        for r, c in zip(self._in_flight[self._entry(out)][1], out.chunks):
             self.kv.update_block_hashes(r)
             batch.append((r, c.num_tokens, list(c.block_ids)))
         return batch
@@ -113,17 +145,23 @@ class Scheduler:
         """Book step `out`'s result; `sampled` has one row per `sampled_requests(out)` (None
         when nothing was scheduled). Returns the requests with output to emit, in order: the
         sampled ones (a finished producer request only once its KV is saved), then those
-        whose saves finished."""
-        reqs = self._in_flight
-        self._in_flight = []
-        for r, c in zip(reqs, out.chunks):
-            r.num_computed_tokens += c.num_tokens
+        whose saves finished. Requests that ended while the step was in flight (aborted) are
+        skipped."""
+        i = self._entry(out)
+        reqs = self._in_flight[i][1]
+        del self._in_flight[i]
+        self._busy.difference_update(r.request_id for r in reqs)
+        live = [r.status not in FINISHED_STATES for r in reqs]
+        for r, c, ok in zip(reqs, out.chunks, live):
+            if ok:
+                r.num_computed_tokens += c.num_tokens
         emit: list[Request] = []
         if sampled is not None:
             emit = self._append_sampled([r for r, c in zip(reqs, out.chunks) if c.sample],
                                         sampled)
-        for r in reqs:
-            self.kv.cache_blocks(r)
+        for r, ok in zip(reqs, live):
+            if ok:
+                self.kv.cache_blocks(r)
         emit = [r for r in emit if not self._finish_sampled(r)]
         self._poll_connector()
         emit.extend(self._released)
@@ -132,13 +170,17 @@ class Scheduler:
 
     def _append_sampled(self, reqs: list[Request], sampled: SamplerOutput) -> list[Request]:
         lps = sampled.logprobs
+        emit = []
         for i, (req, tok) in enumerate(zip(reqs, sampled.token_ids)):
+            if req.status in FINISHED_STATES:
+                continue  # aborted while its step was in flight
+            emit.append(req)
             req.append_token(tok)
             if lps is not None and lps[i] is not None:
                 req.logprobs.append(TokenLogprob(tok, lps[i][0], tuple(lps[i][1])))
             if self.check_stop is not None:
                 self.check_stop(req, tok)
-        return reqs
+        return emit
 
     def _finish_sampled(self, req: Request) -> bool:
         """Finish req if it stopped; True when its final output must wait for a save."""
@@ -150,13 +192,19 @@ class Scheduler:
             return True
         return False
 
-    def _schedule_running(self, scheduled, preempted, budget: int) -> int:
+    def _schedule_running(self, scheduled, preempted, budget: int, cap: int) -> int:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < cap:
             req = self.running[i]
+            if req.request_id in self._busy:  # its step is still in the pipeline
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while self.kv.allocate_slots(req, n) is None:
-                victim = self.running.pop()
+                victim = self._victim()  # never one scheduled this step: req is later
+                if victim is None:
+                    return budget  # only requests in flight could give blocks: wait for them
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -166,8 +214,16 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, scheduled, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _victim(self) -> Optional[Request]:
+        """The newest running request not in a step in flight."""
+        for req in reversed(self.running):
+            if req.request_id not in self._busy:
+                return req
+        return None
+
+    def _schedule_waiting(self, scheduled, budget: int, cap: int) -> None:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(scheduled) < cap):
             req = self.waiting[0]
             if self.kv.req_blocks.get(req.request_id):  # its KV was loaded from outside
                 hits, n_cached = [], req.num_computed_tokens

@@ -14,7 +14,8 @@ from torch import nn
 
 from pdserve.common.attention.backend import AttentionBackend, AttentionMetadata
 from pdserve.common.config import ModelConfig
-from pdserve.common.distributed.layout import (SINGLE, TensorParallel, check_tp_split,
+from pdserve.common.distributed.layout import (SINGLE, WHOLE_MODEL, PipelineStage,
+                                              TensorParallel, check_pp_split, check_tp_split,
                                               kv_head_range)
 from pdserve.common.models.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                           RowParallelLinear)
@@ -109,37 +110,53 @@ _STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"),
 
 class LlamaForCausalLM(nn.Module):
     """With `tp` of size T this is one rank's shard (see common/distributed/layout.py); every
-    rank runs the same forward, and the row-parallel layers and the embedding all-reduce."""
+    rank runs the same forward, and the row-parallel layers and the embedding all-reduce.
+    With `pp` a pipeline stage: only its layers (the others are empty placeholders, so
+    parameter names keep their checkpoint indices), the embedding on the first stage, the final
+    norm and the LM head on the last."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, pp: PipelineStage = WHOLE_MODEL):
         super().__init__()
         check_tp_split(cfg, tp.size)
-        self.config, self.tp = cfg, tp
+        check_pp_split(cfg.num_layers, pp.size)
+        self.config, self.tp, self.pp = cfg, tp, pp
+        self.layer_range = pp.layers(cfg.num_layers)
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                cfg.rope_scaling)
         self.rope = rope
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        if pp.is_first:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, rope, tp)
-                                    for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+                                    if i in self.layer_range else nn.Identity()
+                                    for i in range(cfg.num_layers))
+        if pp.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
+            if cfg.tie_word_embeddings and pp.is_first:
+                self.lm_head.weight = self.embed_tokens.weight
+        # a later stage of a tied model reads the embedding's weight as its LM head
+        self._head_from_embedding = cfg.tie_word_embeddings and pp.is_last and not pp.is_first
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata,
-                layer_done: Optional[Callable[[int, torch.Tensor], None]] = None
-                ) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states [T, hidden]. `layer_done(i, kv_cache)`
-        runs after layer i wrote its K/V (the KV connector saves layer by layer)."""
-        x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # packed rows come as fp32
+                layer_done: Optional[Callable[[int, torch.Tensor], None]] = None,
+                hidden_in: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden] after this stage's layers
+        (normed on the last stage). `hidden_in` [T, hidden]: the previous stage's output (every
+        stage but the first). `kv_caches`: this stage's layers' caches, in layer order.
+        `layer_done(i, kv_cache)` runs after layer i wrote its K/V (the KV connector)."""
+        if self.pp.is_first:  # packed embedding rows come as fp32: the layers' dtype
+            dtype = self.layers[self.layer_range.start].input_layernorm.weight.dtype
+            x = self.embed_tokens(input_ids).to(dtype)
+        else:
+            x = hidden_in
         cos_sin = self.rope.cos_sin(positions)
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(cos_sin, x, kv_cache, meta)
+        for i, kv_cache in zip(self.layer_range, kv_caches):
+            x = self.layers[i](cos_sin, x, kv_cache, meta)
             if layer_done is not None:
                 layer_done(i, kv_cache)
-        return self.norm(x)
+        return self.norm(x) if self.pp.is_last else x
 
     def use_cpu_kernels(self, native) -> None:
         """Run the RMSNorms through the native CPU kernels (common/attention/cpu_native.py):
@@ -158,9 +175,9 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
-                continue
+            name = self._stage_name(hf_name.removeprefix("model."))
+            if name is None:
+                continue  # another pipeline stage's (or the tied head's copy)
             name, shard = _fused_name(name)
             if name not in params:
                 raise ValueError(f"unexpected weight {hf_name!r}")
@@ -170,7 +187,8 @@ class LlamaForCausalLM(nn.Module):
                 if self._load_packed(name, module, tensor, shard):
                     loaded.update([name if shard is None else f"{name}:{shard}"]
                                   + (["lm_head.weight"] if name == "embed_tokens.weight"
-                                     and self.config.tie_word_embeddings else []))
+                                     and self.config.tie_word_embeddings
+                                     and self.pp.is_last else []))
                     continue
                 tensor = tensor.dequantize()
             loader = getattr(module, "weight_loader", None)
@@ -188,6 +206,21 @@ class LlamaForCausalLM(nn.Module):
             if hasattr(m, "finish_loading"):
                 m.finish_loading()
 
+    def _stage_name(self, name: str) -> Optional[str]:
+        """Our parameter name for checkpoint name `name`; None when this stage does not hold
+        it (another stage's layer, the embedding or head elsewhere, a tied head's copy)."""
+        if name.startswith("layers."):
+            return name if int(name.split(".", 2)[1]) in self.layer_range else None
+        if name == "lm_head.weight":
+            return None if self.config.tie_word_embeddings or not self.pp.is_last else name
+        if name == "embed_tokens.weight":
+            if self._head_from_embedding:
+                return "lm_head.weight"
+            return name if self.pp.is_first else None
+        if name == "norm.weight" and not self.pp.is_last:
+            return None
+        return name
+
     def _load_packed(self, name: str, module: nn.Module, w: PackedWeight, shard) -> bool:
         """Keep `w` packed where a module can use it; False: load it as fp32 instead (tensor
         parallel ranks take fp32 shards: the vocabulary-parallel embedding and head split rows
@@ -199,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight {name!r} has shape {w.shape}, expected "
                                  f"{tuple(self.embed_tokens.weight.shape)}")
             self.embed_tokens = PackedEmbedding(w)
-            if self.config.tie_word_embeddings:  # the head multiplies by the same blocks
+            if self.config.tie_word_embeddings and self.pp.is_last:  # the head: same blocks
                 self.lm_head.load_packed(w)
             return True
         if hasattr(module, "load_packed"):

@@ -1,0 +1,60 @@
+"""PipelineExecutor: P stages of T ranks each, rank 0 (the engine process) is the first stage's
+tensor rank 0, with up to P steps in flight (docs/parallelism.md).
+
+`submit(out)` sends the step to every worker, runs the first stage's layers here and hands the
+hidden states on (asynchronously), so it returns while the later stages work; `collect()`
+waits for the oldest submitted step's logits from the last stage. The engine submits step k+1
+before it collects step k, so rank 0 schedules, samples and runs stage 0 while the later
+stages run the step before: the stages overlap. Workers run the steps in the order they were
+sent, each stage after the previous one, so the steps stay ordered along the pipeline (a
+step's KV writes on a stage happen before the next step's there).
+
+Failure: as MultiProcExecutor, and the worker group's watch thread kills every worker as soon as
+one dies, so a wait here ends with an error.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from pdserve.common.distributed.executor import MultiProcExecutor, WorkerGroup
+from pdserve.common.distributed.pipeline import StageLink
+from pdserve.common.engine.model_runner import ModelRunner
+from pdserve.common.engine.scheduler_output import SchedulerOutput
+
+
+class PipelineExecutor(MultiProcExecutor):
+    def __init__(self, runner: ModelRunner, workers: WorkerGroup, link: StageLink,
+                 depth: int):
+        super().__init__(runner, workers)
+        self.link, self.depth = link, depth
+        self._started: deque[SchedulerOutput] = deque()
+
+    def submit(self, out: SchedulerOutput) -> None:
+        if len(self._started) >= self.depth:
+            raise RuntimeError(f"{self.depth} steps are in flight already: collect one first")
+        self.check_health()
+        try:
+            self._send_step(out)
+            self.link.send_hidden(self.runner.execute(out))  # [T, hidden] -> stage 1
+        except Exception as exc:
+            self._failed(exc)
+        self._started.append(out)
+
+    def collect(self) -> torch.Tensor:
+        if not self._started:
+            raise RuntimeError("no step started")
+        out = self._started.popleft()
+        try:
+            return self.link.recv_logits(sum(c.sample for c in out.chunks))
+        except Exception as exc:
+            self._failed(exc)
+
+    def execute_model(self, out, layer_done=None) -> torch.Tensor:
+        if layer_done is not None:
+            raise NotImplementedError("per-layer callbacks (a KV connector) with pipeline "
+                                      "stages")
+        self.submit(out)
+        return self.collect()
