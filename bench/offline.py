@@ -55,7 +55,7 @@ def add_offline_subcommand(sub) -> None:
                    help="the engines' KV cache type; a half type adds an fp32-KV peer engine")
     p.add_argument("--seed", type=int, default=0)
     from pdserve.common.engine.cli import add_parallel_args
-    add_parallel_args(p)  # T > 1: against TP=1 with T x --num-threads threads (offline_tp.py)
+    add_parallel_args(p)  # T x P > 1: vs TP=1 with T x P x --num-threads threads (offline_tp)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (the default); > 0 samples at this temperature, as "
                    "served requests do (OpenAI's default is 1.0), both engines alike")
@@ -170,7 +170,7 @@ def run_offline(args) -> int:
     from pdserve.common.models.registry import expand_weights, load_model
     import torch
 
-    if args.tensor_parallel_size > 1:
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
         from pdserve.bench.offline_tp import run_offline_tp
         return run_offline_tp(args)
     torch.set_num_threads(args.num_threads)

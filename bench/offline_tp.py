@@ -1,12 +1,14 @@
-"""`pdserve bench offline --tensor-parallel-size T`: the engine split over T ranks (each with
---num-threads threads) against the same engine unsplit with T x --num-threads threads, same
-prompts and workload as the offline bench, in one run, interleaved. The ratio
-(TP tok/s / TP=1 tok/s) says what the split costs in communication and duplicated work on a
-machine whose cores the two configurations share alike; 1.0 means nothing.
+"""`pdserve bench offline --tensor-parallel-size T --pipeline-parallel-size P`: the engine
+split over T x P ranks (each with --num-threads threads) against the same engine unsplit with
+T x P x --num-threads threads, same prompts and workload as the offline bench, in one run,
+interleaved. The ratio (split tok/s / unsplit tok/s) says what the split costs in
+communication, duplicated work and (pipeline) idle stages on a machine whose cores the two
+configurations share alike; 1.0 means nothing.
 
-Also measures the all-reduce per call at the decode shapes (bench/allreduce_cpu.py) for the
-shared-memory implementation the engine uses and for gloo, in the same sitting. Last line: one
-JSON object.
+Also measures, in the same sitting, the all-reduce per call at the decode shapes
+(bench/allreduce_cpu.py; T > 1) for the shared-memory implementation the engine uses and for
+gloo, and the pipeline hand-off (offline_pp_handoff.py; P > 1) through gloo send/recv, which
+the engine uses, and through a shared-memory copy. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -26,25 +28,27 @@ def run_offline_tp(args) -> int:
     from pdserve.common.engine.llm import LLM
     from pdserve.common.models.registry import load_model
 
-    tp = args.tensor_parallel_size
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    world = tp * pp
     n_prompts = 4 if args.batch1 and args.num_prompts == 64 else args.num_prompts
     loaded = load_model(args.model)
     prompts = random_prompts(n_prompts, args.input_len, loaded.config.vocab_size, args.seed)
     concurrency = 1 if args.batch1 else n_prompts
     tokens_needed = concurrency * (args.input_len + args.output_len)
 
-    def config(size: int, threads: int) -> EngineConfig:
+    def config(size: tuple[int, int], threads: int) -> EngineConfig:
         return EngineConfig(
             model=args.model, num_threads=threads, cpu_gemm=args.cpu_gemm,
             cache=CacheConfig(num_blocks=tokens_needed // 16 + 2 * concurrency + 16),
             scheduler=SchedulerConfig(max_num_seqs=concurrency,
                                       max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_model_len=args.input_len + args.output_len + 16),
-            parallel=ParallelConfig(tensor_parallel_size=size, all_reduce=args.tp_all_reduce))
+            parallel=ParallelConfig(tensor_parallel_size=size[0], pipeline_parallel_size=size[1],
+                                    all_reduce=args.tp_all_reduce))
 
-    single_threads = tp * args.num_threads
-    single = LLM(config(1, single_threads), loaded=loaded)
-    split = LLM(config(tp, args.num_threads))  # workers load the checkpoint by name
+    single_threads = world * args.num_threads
+    single = LLM(config((1, 1), single_threads), loaded=loaded)
+    split = LLM(config((tp, pp), args.num_threads))  # workers load the checkpoint by name
     del loaded
     t_single, t_split = [], []
     try:
@@ -55,26 +59,35 @@ def run_offline_tp(args) -> int:
             t_split.append(run_ours(split, prompts, args.output_len, args.batch1))
     finally:
         split.engine.close()
-    ar = run_allreduce(tp, 1000)
     n_out = n_prompts * args.output_len
     s1, sp = statistics.median(t_single), statistics.median(t_split)
-    res = {"bench": "offline_tp", "cpu": cpu_name(), "model": args.model,
-           "tensor_parallel_size": tp, "threads_per_rank": args.num_threads,
+    res = {"bench": "offline_tp" if pp == 1 else "offline_pp", "cpu": cpu_name(),
+           "model": args.model, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+           "threads_per_rank": args.num_threads,
            "tp1_threads": single_threads, "all_reduce": args.tp_all_reduce,
            "num_prompts": n_prompts, "input_len": args.input_len,
            "output_len": args.output_len, "batch1": args.batch1, "repeats": args.repeats,
            "tp1_s": s1, "tp_s": sp, "tp1_output_tok_s": n_out / s1, "tp_output_tok_s": n_out / sp,
-           "ratio_tp_over_tp1": s1 / sp,
-           "allreduce_per_call_us": {str(r): v for r, v in ar.items()},
-           "allreduce_per_decode_step_ms_batch1": {
-               k: CALLS_PER_DECODE_STEP * ar[1][f"{k}_us"] / 1000 for k in ("shm", "gloo")}}
+           "ratio_tp_over_tp1": s1 / sp, "runs_single_s": t_single, "runs_split_s": t_split}
+    name = f"TP={tp}" + (f" x PP={pp}" if pp > 1 else "")
     print(f"cpu: {res['cpu']}")
-    print(f"{'engine':<28}{'time s':>10}{'output tok/s':>14}")
-    print(f"{'TP=1, ' + str(single_threads) + ' threads':<28}{s1:>10.2f}{n_out / s1:>14.1f}")
-    print(f"{f'TP={tp}, {args.num_threads} thread(s)/rank':<28}{sp:>10.2f}{n_out / sp:>14.1f}")
-    print(f"ratio TP={tp} / TP=1: {s1 / sp:.2f}")
-    print("all-reduce per call, rows 1/64: shm "
-          f"{ar[1]['shm_us']:.1f}/{ar[64]['shm_us']:.1f} us, gloo "
-          f"{ar[1]['gloo_us']:.1f}/{ar[64]['gloo_us']:.1f} us")
+    print(f"{'engine':<34}{'time s':>10}{'output tok/s':>14}")
+    print(f"{'TP=1, ' + str(single_threads) + ' threads':<34}{s1:>10.2f}{n_out / s1:>14.1f}")
+    print(f"{f'{name}, {args.num_threads} thread(s)/rank':<34}{sp:>10.2f}{n_out / sp:>14.1f}")
+    print(f"ratio {name} / TP=1: {s1 / sp:.2f}")
+    if tp > 1:
+        ar = run_allreduce(tp, 1000)
+        res["allreduce_per_call_us"] = {str(r): v for r, v in ar.items()}
+        res["allreduce_per_decode_step_ms_batch1"] = {
+            k: CALLS_PER_DECODE_STEP * ar[1][f"{k}_us"] / 1000 for k in ("shm", "gloo")}
+        print("all-reduce per call, rows 1/64: shm "
+              f"{ar[1]['shm_us']:.1f}/{ar[64]['shm_us']:.1f} us, gloo "
+              f"{ar[1]['gloo_us']:.1f}/{ar[64]['gloo_us']:.1f} us")
+    if pp > 1:
+        from pdserve.bench.offline_pp_handoff import run as run_handoff
+        hand = run_handoff(100)
+        res["pp_handoff_one_way_us"] = hand
+        print("pipeline hand-off one way, gloo / shm copy: " + ", ".join(
+            f"{k} {v['gloo_us']:.0f}/{v['shm_us']:.0f} us" for k, v in hand.items()))
     print(json.dumps(res))
     return 0
