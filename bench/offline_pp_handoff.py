@@ -104,11 +104,10 @@ def run(reps: int) -> dict[str, dict[str, float]]:
         port = s.getsockname()[1]
     bufs = make_buffers(2, _slot())
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        spec = {"port": port, "shm": bufs.path, "reps": reps, "out": out.name}
+        cmd = [sys.executable, "-m", "pdserve.bench.offline_pp_handoff", "--rank-spec"]
         try:
-            procs = [subprocess.Popen([sys.executable, "-m", "pdserve.bench.offline_pp_handoff",
-                                       "--rank", str(r), "--port", str(port), "--shm",
-                                       bufs.path, "--reps", str(reps), "--out", out.name])
-                     for r in range(2)]
+            procs = [subprocess.Popen(cmd + [json.dumps(dict(spec, rank=r))]) for r in (0, 1)]
             codes = [p.wait() for p in procs]
         finally:
             os.unlink(bufs.path)
@@ -121,13 +120,11 @@ def run(reps: int) -> dict[str, dict[str, float]]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=200)
-    p.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)  # internal: a rank
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--shm", default="", help=argparse.SUPPRESS)
-    p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    p.add_argument("--rank-spec", default="", help=argparse.SUPPRESS)  # internal: one rank
     args = p.parse_args(argv)
-    if args.rank >= 0:
-        _rank(args.rank, args.port, args.shm, args.reps, args.out)
+    if args.rank_spec:
+        spec = json.loads(args.rank_spec)
+        _rank(spec["rank"], spec["port"], spec["shm"], spec["reps"], spec["out"])
         return 0
     res = run(args.reps)
     print(f"{'tensor':<22}{'gloo us':>10}{'shm us':>10}{'gloo/shm':>10}")

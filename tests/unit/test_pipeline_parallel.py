@@ -5,30 +5,21 @@ at once and hold disjoint requests; more stages than layers and a KV connector a
 before any process starts; a worker killed mid-run ends the engine with an error and leaves no
 process behind, also when the dead rank is one rank 0 has no link to."""
 
-import os
-import signal
-import threading
-import time
-
 import pytest
-import torch
 
 from pdserve.common.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from pdserve.common.distributed.executor import WorkerDiedError
 from pdserve.common.engine.engine_core import EngineCore
 from pdserve.common.engine.llm import LLM
-from pdserve.common.models.hf_loader import load_hf_dir
-from pdserve.common.models.registry import LoadedModel, load_model, model_fingerprint
+from pdserve.common.models.registry import load_model
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.tokenizer import Tokenizer
 
-from tests.unit.test_tensor_parallel import _children
+from tests.unit.test_tensor_parallel import (GREEDY, PROMPTS, _children,
+                                             assert_service_dies_with, build_hf_model,
+                                             hf_greedy, kill_while_stepping, run_engine)
 
 transformers = pytest.importorskip("transformers")
 
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-# the long prompt is chunked (16-token budget); the last one shares the second's first blocks
-PROMPTS = [[3, 17, 42, 99, 5], list(range(30, 70)), list(range(30, 62)) + [7, 8]]
+# PROMPTS: the long prompt is chunked (16-token budget); the last shares the second's blocks
 # hidden, heads, kv heads, tied embeddings, (tensor, pipeline) layouts; 3 layers: P=2 splits
 # them 2 + 1, P=3 one each
 MODELS = {"gqa": (64, 8, 4, False, ((1, 2), (2, 2))),
@@ -37,18 +28,7 @@ MODELS = {"gqa": (64, 8, 4, False, ((1, 2), (2, 2))),
 
 def hf_model(name, tmp_path):
     hidden, heads, kv_heads, tied, _ = MODELS[name]
-    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=hidden, intermediate_size=96,
-                                   num_hidden_layers=3, num_attention_heads=heads,
-                                   num_key_value_heads=kv_heads, max_position_embeddings=256,
-                                   tie_word_embeddings=tied)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0, 0.3 if p.dim() > 1 else 0.5)
-    hf.save_pretrained(tmp_path)
-    config, weights = load_hf_dir(tmp_path)
-    return hf, LoadedModel(config, weights, Tokenizer.tiny(), model_fingerprint(config, weights))
+    return build_hf_model(tmp_path, hidden, heads, kv_heads, 320, tied, layers=3)
 
 
 def engine_config(tp, pp, num_blocks=64, budget=16, block_size=16):
@@ -63,19 +43,14 @@ def engine_config(tp, pp, num_blocks=64, budget=16, block_size=16):
 def generate(loaded, tp, pp, num_blocks=64, block_size=16):
     """Tokens of PROMPTS, then of the last prompt again (a prefix hit on its full blocks:
     with P > 1 the first run's prompts are in flight together, before any block is cached)."""
-    llm = LLM(engine_config(tp, pp, num_blocks, block_size=block_size), loaded=loaded)
-    try:
-        outs = llm.generate(PROMPTS, GREEDY) + llm.generate(PROMPTS[-1:], GREEDY)
-        return [o.token_ids for o in outs], llm.engine.stats()
-    finally:
-        llm.engine.close()
+    return run_engine(engine_config(tp, pp, num_blocks, block_size=block_size), loaded,
+                      PROMPTS, PROMPTS[-1:])
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_greedy_pp_equals_pp1_and_transformers(name, tmp_path):
     hf, loaded = hf_model(name, tmp_path)
-    ref = [hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                       pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS + PROMPTS[-1:]]
+    ref = hf_greedy(hf, PROMPTS + PROMPTS[-1:])
     single, _ = generate(loaded, 1, 1)
     assert single == ref
     for tp, pp in MODELS[name][4]:
@@ -162,50 +137,11 @@ def test_a_killed_worker_ends_the_engine_with_an_error_and_no_leftovers(tp, vict
         core.add_request(f"r{i}", list(range(1 + i, 40)),
                          SamplingParams(max_tokens=200, ignore_eos=True))
     core.step()
-    killer = threading.Timer(0.2, os.kill, (procs[victim - 1].pid, signal.SIGKILL))
-    killer.start()
-    deadline = time.monotonic() + 60
-    with pytest.raises(WorkerDiedError):
-        while time.monotonic() < deadline:
-            core.step()
-    killer.join()
-    assert all(p.poll() is not None for p in procs)  # every worker reaped
-    with pytest.raises(WorkerDiedError):
-        core.step()  # and it stays dead
-    core.close()
+    kill_while_stepping(core, procs[victim - 1])
     assert not pids & _children()
 
 
 def test_a_dead_stage_makes_the_service_engine_unhealthy():
-    import asyncio
-
-    from pdserve.common.rpc import engine_pb2 as pb
-    from pdserve.services.engine_host.async_engine import AsyncEngine, EngineDeadError
-    from pdserve.services.engine_host.health import InstanceInfo, health_response
-
     core = EngineCore(engine_config(1, 2, num_blocks=64, budget=64), load_model("tiny"))
     (proc,) = core.executor.workers.procs
-    info = InstanceInfo(model="tiny", role="unified", max_model_len=core.max_model_len,
-                        vocab_size=core.tokenizer.vocab_size, fingerprint=core.fingerprint,
-                        block_size=16)
-
-    async def main():
-        engine = AsyncEngine(core)
-        engine.start(asyncio.get_running_loop())
-        try:
-            assert await engine.wait_warmed_up()
-            assert health_response(engine, info).status == pb.HealthResponse.SERVING
-            stream = await engine.submit("r", list(range(1, 30)),
-                                         SamplingParams(max_tokens=200, ignore_eos=True))
-            os.kill(proc.pid, signal.SIGKILL)
-            with pytest.raises(EngineDeadError, match="WorkerDiedError"):
-                async for _ in stream:
-                    pass
-            assert not engine.healthy
-            return health_response(engine, info).status
-        finally:
-            await asyncio.get_running_loop().run_in_executor(None, engine.stop)
-            core.close()
-
-    assert asyncio.run(main()) == pb.HealthResponse.NOT_SERVING
-    assert proc.pid not in _children()
+    assert_service_dies_with(core, proc)

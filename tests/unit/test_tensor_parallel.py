@@ -35,8 +35,13 @@ MODELS = {"gqa": (64, 8, 4, 322, False, ((2, "gloo"), (4, "shm"))),
 
 def hf_model(name, tmp_path):
     hidden, heads, kv_heads, vocab, tied, _ = MODELS[name]
+    return build_hf_model(tmp_path, hidden, heads, kv_heads, vocab, tied)
+
+
+def build_hf_model(tmp_path, hidden, heads, kv_heads, vocab, tied, layers=2):
+    """A random transformers Llama saved to tmp_path, and the same model loaded as ours."""
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=96,
-                                   num_hidden_layers=2, num_attention_heads=heads,
+                                   num_hidden_layers=layers, num_attention_heads=heads,
                                    num_key_value_heads=kv_heads, max_position_embeddings=256,
                                    tie_word_embeddings=tied)
     torch.manual_seed(0)
@@ -58,19 +63,29 @@ def engine_config(tp, all_reduce="auto", num_blocks=64, budget=16, block_size=16
 
 
 def generate(loaded, tp, all_reduce="auto", num_blocks=64, block_size=16):
-    llm = LLM(engine_config(tp, all_reduce, num_blocks, block_size=block_size), loaded=loaded)
+    return run_engine(engine_config(tp, all_reduce, num_blocks, block_size=block_size), loaded,
+                      PROMPTS)
+
+
+def run_engine(config, loaded, *batches):
+    """Greedy tokens of each batch of prompts in turn (one list), and the engine's stats."""
+    llm = LLM(config, loaded=loaded)
     try:
-        outs = llm.generate(PROMPTS, GREEDY)
+        outs = [o for batch in batches for o in llm.generate(batch, GREEDY)]
         return [o.token_ids for o in outs], llm.engine.stats()
     finally:
         llm.engine.close()
 
 
+def hf_greedy(hf, prompts):
+    return [hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_greedy_tp_equals_tp1_and_transformers(name, tmp_path):
     hf, loaded = hf_model(name, tmp_path)
-    ref = [hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                       pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    ref = hf_greedy(hf, PROMPTS)
     tp1, _ = generate(loaded, 1)
     assert tp1 == ref
     for tp, all_reduce in MODELS[name][5]:
@@ -104,7 +119,13 @@ def test_a_killed_worker_ends_the_engine_with_an_error_and_no_leftovers(all_redu
     (proc,) = workers.procs
     core.add_request("r", list(range(1, 40)), SamplingParams(max_tokens=200, ignore_eos=True))
     core.step()
-    # kill it while rank 0 keeps stepping (inside a collective or between steps)
+    kill_while_stepping(core, proc)
+    assert proc.pid not in _children()
+
+
+def kill_while_stepping(core, proc):
+    """Kill `proc` while rank 0 keeps stepping (inside a collective or between steps): a
+    step raises WorkerDiedError, and every later one; every worker is reaped; close."""
     killer = threading.Timer(0.2, os.kill, (proc.pid, signal.SIGKILL))
     killer.start()
     deadline = time.monotonic() + 60
@@ -112,11 +133,10 @@ def test_a_killed_worker_ends_the_engine_with_an_error_and_no_leftovers(all_redu
         while time.monotonic() < deadline:
             core.step()
     killer.join()
-    assert proc.poll() is not None  # reaped
+    assert all(p.poll() is not None for p in core.executor.workers.procs)  # reaped
     with pytest.raises(WorkerDiedError):
         core.step()  # and it stays dead
     core.close()
-    assert proc.pid not in _children()
 
 
 def test_workers_stop_cleanly_on_close():
@@ -144,14 +164,20 @@ def _children() -> set[int]:
 
 
 def test_a_dead_worker_makes_the_service_engine_unhealthy():
+    core = EngineCore(engine_config(2, num_blocks=64, budget=64), load_model("tiny"))
+    (proc,) = core.executor.workers.procs
+    assert_service_dies_with(core, proc)
+
+
+def assert_service_dies_with(core, proc):
+    """Serve `core` (SERVING after its warm-up), kill `proc` mid-stream: the stream fails
+    with the worker's death, Health says NOT_SERVING, and no process is left behind."""
     import asyncio
 
     from pdserve.common.rpc import engine_pb2 as pb
     from pdserve.services.engine_host.async_engine import AsyncEngine, EngineDeadError
     from pdserve.services.engine_host.health import InstanceInfo, health_response
 
-    core = EngineCore(engine_config(2, num_blocks=64, budget=64), load_model("tiny"))
-    (proc,) = core.executor.workers.procs
     info = InstanceInfo(model="tiny", role="unified", max_model_len=core.max_model_len,
                         vocab_size=core.tokenizer.vocab_size, fingerprint=core.fingerprint,
                         block_size=16)
