@@ -86,8 +86,9 @@ class Scheduler:
         return bool(self.requests) or bool(self.held) or bool(self._released)
 
     def schedule(self) -> SchedulerOutput:
-        """Decide the next step. Every call must be followed by `update_from_output` with its
-        output (after the forward, or with sampled=None when it scheduled nothing)."""
+        """Decide the next step. Every output must be booked with `update_from_output` (after
+        the forward, or with sampled=None when it scheduled nothing); with pipeline_depth P up
+        to P non-empty ones may be scheduled before the oldest is booked."""
         self.lookup_pending = False
         self._poll_connector()
         scheduled: list[tuple[Request, int]] = []
@@ -202,8 +203,8 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while self.kv.allocate_slots(req, n) is None:
                 victim = self._victim()  # never one scheduled this step: req is later
-                if victim is None:
-                    return budget  # only requests in flight could give blocks: wait for them
+                if victim is None:  # only requests in flight could give blocks: wait for
+                    return 0  # them (and admit nobody who would take blocks before req)
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
