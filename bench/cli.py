@@ -87,8 +87,7 @@ def _finish(line: dict, failures, max_fraction: float) -> int:
 
 
 def _serve(args) -> int:
-    from pdserve.bench.failures import FailureTally
-    from pdserve.bench.serve import run_serve
+    from pdserve.bench.serve import run_serve, settle_failures
     from pdserve.bench.vocab import resolve_tokenizer
 
     target = ca.target_from(args)
@@ -101,9 +100,9 @@ def _serve(args) -> int:
                        model_name=args.peer_model_name, label="peer")
         cfg = replace(cfg, peer=peer)
     line = run_serve(cfg)
-    runs = [line] + ([line["peer"]] if "peer" in line else [])
-    failures = FailureTally(sum(r["requests"] for r in runs), sum(r["failed"] for r in runs))
-    return _finish(line, failures, args.max_failed_fraction)
+    code = settle_failures(line, args.max_failed_fraction)  # each side counts its own
+    _emit(line)
+    return code
 
 
 def _sweep_config(args, target):
