@@ -17,7 +17,7 @@ from pdserve.bench import cli_args as ca
 
 
 def add_bench_subcommands(sub) -> None:
-    """Adds serve, sweep, compare to `sub`, the subparsers of `pdserve bench`."""
+    """Adds serve, sweep, compare, routing to `sub`, the subparsers of `pdserve bench`."""
     serve = sub.add_parser("serve", help="one load run against a server (ours or a peer)")
     ca.add_target_args(serve)
     ca.add_load_args(serve)
@@ -56,6 +56,10 @@ def add_bench_subcommands(sub) -> None:
     cmp_.add_argument("--startup-timeout", type=float, default=300.0,
                       help="seconds each stack may take to become healthy")
     cmp_.set_defaults(func=_compare)
+
+    from pdserve.bench.routing_ab import add_routing_subcommand
+
+    add_routing_subcommand(sub)  # policies against each other, one stack at a time
 
 
 def _sweep_args(p: argparse.ArgumentParser) -> None:

@@ -1,6 +1,7 @@
 """Length distributions, arrival schedules and the synthetic and JSONL workloads."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -85,6 +86,23 @@ def test_chat_workload_orders_turns_across_conversations(tok):
     reqs = build_requests(cfg, tok)
     assert [(r.conversation, r.turn) for r in reqs] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1)]
     assert all(r.is_chat and r.messages[0][0] == "user" for r in reqs)
+
+
+def test_chat_system_prompts_open_each_conversation_and_leave_the_turns_alone(tok):
+    base = WorkloadConfig(kind="chat", num_prompts=8, turns=2, num_prefixes=2,
+                          input_len=LengthDist("fixed", 8), seed=3)
+    plain = build_requests(base, tok)
+    reqs = build_requests(replace(base, system_len=40), tok)
+    first = [r for r in reqs if r.turn == 0]
+    assert [r.messages[0][0] for r in first] == ["system"] * 4
+    systems = [r.messages[0][1] for r in first]
+    assert systems[0] == systems[2] != systems[1] == systems[3]  # conversation c: c % 2
+    assert all(r.prompt_len == 8 + 40 for r in first)
+    assert all(len(r.messages) == 1 and r.prompt_len == 8 for r in reqs if r.turn == 1)
+    # the user turns are the ones the workload draws without system prompts
+    assert [r.messages[-1] for r in reqs] == [r.messages[-1] for r in plain]
+    with pytest.raises(ValueError, match="system_len"):
+        WorkloadConfig(kind="chat", system_len=-1)
 
 
 def test_jsonl_workload_reads_tiers_and_cycles(tmp_path, tok):
