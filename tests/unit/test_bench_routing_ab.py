@@ -22,7 +22,8 @@ def test_order_alternates_per_seed_so_drift_favours_neither():
 
 def test_medians_over_seeds_and_the_ratio_over_the_first_policy():
     runs = [{"policy": p, "ttft_p50_s": t, "ttft_p99_s": 2 * t, "itl_p50_s": 0.1,
-             "request_throughput": 1.0, "prefix_hit_share": h}
+             "request_throughput": 1.0, "prefix_hit_share": h,
+             "ttft_later_turns_p50_s": None if p == "round_robin" else t / 2}
             for p, t, h in (("kv_aware", 0.2, 0.9), ("kv_aware", 0.4, 0.8),
                             ("kv_aware", 0.3, None), ("round_robin", 1.0, 0.4),
                             ("round_robin", 0.5, 0.5), ("round_robin", 0.6, 0.3))]
@@ -31,6 +32,7 @@ def test_medians_over_seeds_and_the_ratio_over_the_first_policy():
     assert out["medians"]["kv_aware"]["prefix_hit_share"] == pytest.approx(0.85)  # None left out
     assert out["medians"]["round_robin"]["ttft_p50_s_by_seed"] == [1.0, 0.5, 0.6]
     assert out["ttft_p50_ratio_vs_round_robin"]["kv_aware"] == pytest.approx(0.3 / 0.6)
+    assert out["ttft_later_turns_p50_ratio_vs_round_robin"]["kv_aware"] is None  # no base
 
 
 def test_stack_spec_sets_the_router_policy_and_replicas():
@@ -41,7 +43,7 @@ def test_stack_spec_sets_the_router_policy_and_replicas():
     assert "--router-arg=--decode-policy" in args and "--router-arg=round_robin" in args
     assert args[-2:] == ("--max-model-len", "4096")
     for bad in (dict(policies=("kv_aware",)), dict(policies=("kv_aware", "nope")),
-                dict(replicas=1), dict(seeds=())):
+                dict(replicas=1), dict(seeds=()), dict(stack_per="never")):
         with pytest.raises(ValueError):
             RoutingABConfig(_serve(), **{"policies": ("kv_aware", "round_robin"), **bad})
 
