@@ -5,6 +5,12 @@ A Lease is one call's share of that count: `Backend.dispatch()` opens it, `first
 says the prompt is computed (its tokens leave the queue estimate), `finish(ok)` closes it
 (idempotent) and tells the breaker how the call went (ok=None: neither, e.g. the client
 cancelled).
+
+The queue estimate counts the tokens the instance will compute, not the prompt's length: when
+the pool routes a prompt here it notes how much of it is not in this instance's prefix cache
+(`routed_uncached`), and the dispatch that follows counts at most that. Counting a cache hit's
+whole prompt made a conversation's holder look busy with work it would never do, so the next
+turns of its other conversations went elsewhere and recomputed their history.
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ class Backend:
         self.cache_summary: frozenset = frozenset()  # block key prefixes it says it holds
         self.breaker = breaker or CircuitBreaker(3, 5.0)
         self.inflight = 0  # calls the router has open there
-        self.inflight_tokens = 0  # their prompt tokens not computed yet
+        self.inflight_tokens = 0  # their prompt tokens not computed yet (cached ones left out)
+        self._uncached: Optional[int] = None  # the last routing decision's; the next dispatch
 
     def record_failure(self, unhealthy_after: int, why: str) -> None:
         self.failures += 1
@@ -87,7 +94,17 @@ class Backend:
             n += 1
         return n
 
+    def routed_uncached(self, tokens: int) -> None:
+        """The prompt just routed here has `tokens` not in this instance's prefix cache; the
+        next dispatch() (which follows the routing decision with no await between) counts
+        no more than that."""
+        self._uncached = max(0, tokens)
+
     def dispatch(self, tokens: int) -> "Lease":
+        """`tokens`: prompt tokens the caller expects computed (store loads already left
+        out); capped by what the routing decision found uncached here."""
+        if self._uncached is not None:
+            tokens, self._uncached = min(tokens, self._uncached), None
         self.breaker.on_dispatch()
         self.inflight += 1
         self.inflight_tokens += tokens
