@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -198,6 +199,14 @@ def add_routing_subcommand(sub) -> None:
     p.set_defaults(func=_main)
 
 
+class _Stopped(Exception):
+    """SIGTERM arrived: unwinds through running_stack, which stops the stack."""
+
+
+def _stop(signum, frame):
+    raise _Stopped()
+
+
 def _main(args) -> int:
     import json
     import shlex
@@ -209,14 +218,19 @@ def _main(args) -> int:
     args.tokenizer = args.tokenizer or args.model  # the stacks serve --model
     serve = ca.serve_config_from(args, ca.target_from(args, "http://127.0.0.1:1",
                                                       "127.0.0.1:1"))
-    cfg = RoutingABConfig(serve, tuple(p for p in args.policies.split(",") if p),
-                          args.seeds, args.model, args.replicas, args.num_threads,
-                          tuple(shlex.split(args.stack_args)), args.warmup,
-                          args.startup_timeout, args.stack_per)
+    cfg = RoutingABConfig(serve, policies=tuple(p for p in args.policies.split(",") if p),
+                          seeds=args.seeds, model=args.model, replicas=args.replicas,
+                          num_threads=args.num_threads,
+                          stack_args=tuple(shlex.split(args.stack_args)), warmup=args.warmup,
+                          stack_per=args.stack_per, startup_timeout_s=args.startup_timeout)
+    signal.signal(signal.SIGTERM, _stop)  # e.g. `timeout`: stop the running stack too
     try:
         line = {"cpu": cpu_name(), **run_routing_ab(cfg)}
     except StackUnavailable as exc:
         line = {"bench": "routing", "error": str(exc).splitlines()[0]}
+    except _Stopped:
+        line = {"bench": "routing", "error": "stopped by SIGTERM; the finished runs' lines "
+                                             "are above"}
     failed = sum(r["failed"] for r in line.get("runs", ()))
     line["failed"] = failed
     print(json.dumps(line, separators=(",", ":")), flush=True)
