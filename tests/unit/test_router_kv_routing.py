@@ -66,6 +66,28 @@ def test_the_queue_estimate_counts_only_what_the_instance_has_not_cached():
     _run(body)
 
 
+def test_the_engines_report_adds_only_what_is_not_ours():
+    """The engine reports waiting requests with whole prompts; ours count uncached only."""
+    def body(pool):
+        a = pool.backend(A)
+        leases = []
+        for _ in range(2):  # two 2,500-token prompts, 100 tokens of each not cached there
+            a.routed_uncached(100)
+            leases.append(a.dispatch(2500))
+        a.record_success(a.health, pb.LoadResponse(num_waiting=2, num_waiting_tokens=5000))
+        assert a.queue_tokens == 200
+        # another router's 1,000-token prompt waits there too
+        a.record_success(a.health, pb.LoadResponse(num_waiting=3, num_waiting_tokens=6000))
+        assert a.queue_tokens == 1200
+        for lease in leases:
+            lease.first_token()
+        assert (a.inflight_tokens, a.inflight_prompt_tokens) == (0, 0)
+        assert a.queue_tokens == 6000  # a report older than our first tokens: all counted
+        for lease in leases:
+            pool.finish(lease, ok=True)
+    _run(body)
+
+
 def test_a_holders_pending_cache_hits_do_not_push_its_next_turns_away():
     def body(pool):
         rng = random.Random(2)
