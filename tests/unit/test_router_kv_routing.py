@@ -140,3 +140,20 @@ def test_chat_conversations_stay_on_their_holders_and_split_evenly():
         per = [sum(1 for h in homes.values() if h == {a}) for a in (A, B)]
         assert per == [4, 4]
     _run(body)
+
+
+def test_one_shared_system_prompt_does_not_draw_every_conversation_to_one_instance():
+    """Light load: each first turn is computed before the next arrives, so only the first
+    instance holds the system prompt; conversations keep running (long answers) there."""
+    def body(pool):
+        rng = random.Random(5)
+        system = _tokens(rng, 512)
+        running = []
+        for _ in range(10):
+            lease = _send(pool, system + _tokens(rng, 32))
+            lease.first_token()  # computed; it goes on decoding
+            running.append(lease)
+        per = {a: sum(1 for lease in running if lease.backend.address == a) for a in (A, B)}
+        assert max(per.values()) - min(per.values()) <= 5  # not 10 and 0
+        assert min(per.values()) >= 3
+    _run(body)
