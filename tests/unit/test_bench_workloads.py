@@ -1,6 +1,7 @@
 """Length distributions, arrival schedules and the synthetic and JSONL workloads."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -83,8 +84,42 @@ def test_prefix_workload_shares_prefixes_round_robin(tok):
 def test_chat_workload_orders_turns_across_conversations(tok):
     cfg = WorkloadConfig(kind="chat", num_prompts=5, turns=2)  # 3 conversations, cut to 5
     reqs = build_requests(cfg, tok)
-    assert [(r.conversation, r.turn) for r in reqs] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1)]
+    assert [r.turn for r in reqs] == [0, 0, 0, 1, 1]  # every first turn before any second
+    assert sorted(r.conversation for r in reqs[:3]) == [0, 1, 2]
+    assert len({r.conversation for r in reqs[3:]}) == 2
     assert all(r.is_chat and r.messages[0][0] == "user" for r in reqs)
+    assert [(r.conversation, r.turn) for r in build_requests(cfg, tok)] == \
+        [(r.conversation, r.turn) for r in reqs]  # the order is the seed's
+
+
+def test_chat_turn_orders_vary_so_round_robin_is_not_sticky_by_accident(tok):
+    """In one fixed order, round-robin over 2 instances sends conversation c to instance
+    c % 2 every turn (8 conversations); in the workload's order it does not."""
+    cfg = WorkloadConfig(kind="chat", num_prompts=8 * 6, turns=6,
+                         input_len=LengthDist("fixed", 4), seed=1)
+    reqs = build_requests(cfg, tok)
+    instance = {}
+    for i, r in enumerate(reqs):
+        instance.setdefault(r.conversation, set()).add(i % 2)
+    assert sum(len(s) == 2 for s in instance.values()) >= 6  # most move at least once
+
+
+def test_chat_system_prompts_open_each_conversation_and_leave_the_turns_alone(tok):
+    base = WorkloadConfig(kind="chat", num_prompts=8, turns=2, num_prefixes=2,
+                          input_len=LengthDist("fixed", 8), seed=3)
+    plain = build_requests(base, tok)
+    reqs = build_requests(replace(base, system_len=40), tok)
+    first = sorted((r for r in reqs if r.turn == 0), key=lambda r: r.conversation)
+    assert [r.messages[0][0] for r in first] == ["system"] * 4
+    systems = [r.messages[0][1] for r in first]
+    assert systems[0] == systems[2] != systems[1] == systems[3]  # conversation c: c % 2
+    assert all(r.prompt_len == 8 + 40 for r in first)
+    assert all(len(r.messages) == 1 and r.prompt_len == 8 for r in reqs if r.turn == 1)
+    # the user turns are the ones the workload draws without system prompts
+    turns = (lambda rs: {(r.conversation, r.turn): r.messages[-1] for r in rs})
+    assert turns(reqs) == turns(plain)
+    with pytest.raises(ValueError, match="system_len"):
+        WorkloadConfig(kind="chat", system_len=-1)
 
 
 def test_jsonl_workload_reads_tiers_and_cycles(tmp_path, tok):

@@ -59,6 +59,21 @@ def test_kv_aware_leaves_a_holder_that_is_too_busy():
     assert set(picks(KVAware(CostWeights()), [busy_holder, inst("idle")], req)) == {"idle"}
 
 
+def test_kv_aware_leaves_a_holder_far_busier_than_the_least_busy_one():
+    req = RouteRequest(prompt_len=640, block_size=16)
+    w = CostWeights()  # balance_abs 4, balance_rel 1.5
+    # 5 more running than an idle instance: out, though 40 cached blocks save 640 tokens
+    assert set(picks(KVAware(w), [inst("holder", active=5, local=40), inst("idle")],
+                     req)) == {"idle"}
+    # 4 more is within balance_abs, and 9 against 6 within balance_rel: the holder wins
+    assert set(picks(KVAware(w), [inst("holder", active=4, local=40), inst("idle")],
+                     req)) == {"holder"}
+    assert set(picks(KVAware(w), [inst("holder", active=9, local=40), inst("b", active=6)],
+                     req)) == {"holder"}
+    with pytest.raises(ValueError):
+        CostWeights(balance_rel=0.5)
+
+
 def test_kv_aware_counts_store_blocks_as_partly_free_for_everyone():
     w = CostWeights(store_hit=0.5)
     req = RouteRequest(prompt_len=320, block_size=16, store_blocks=20)

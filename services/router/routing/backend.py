@@ -5,6 +5,12 @@ A Lease is one call's share of that count: `Backend.dispatch()` opens it, `first
 says the prompt is computed (its tokens leave the queue estimate), `finish(ok)` closes it
 (idempotent) and tells the breaker how the call went (ok=None: neither, e.g. the client
 cancelled).
+
+The queue estimate counts the tokens the instance will compute, not the prompt's length: when
+the pool routes a prompt here it notes how much of it is not in this instance's prefix cache
+(`routed_uncached`), and the dispatch that follows counts at most that. Counting a cache hit's
+whole prompt made a conversation's holder look busy with work it would never do, so the next
+turns of its other conversations went elsewhere and recomputed their history.
 """
 
 from __future__ import annotations
@@ -53,7 +59,9 @@ class Backend:
         self.cache_summary: frozenset = frozenset()  # block key prefixes it says it holds
         self.breaker = breaker or CircuitBreaker(3, 5.0)
         self.inflight = 0  # calls the router has open there
-        self.inflight_tokens = 0  # their prompt tokens not computed yet
+        self.inflight_tokens = 0  # their prompt tokens not computed yet (cached ones left out)
+        self.inflight_prompt_tokens = 0  # the same calls' tokens as the caller gave them
+        self._uncached: Optional[int] = None  # the last routing decision's; the next dispatch
 
     def record_failure(self, unhealthy_after: int, why: str) -> None:
         self.failures += 1
@@ -77,7 +85,12 @@ class Backend:
 
     @property
     def queue_tokens(self) -> int:
-        return max(self.reported.waiting_tokens, self.inflight_tokens)
+        """Prompt tokens it has to compute before a new request: ours (uncached only), plus
+        what its report holds beyond ours (other routers'). The engine reports a waiting
+        request with its whole prompt (its prefix match comes when it is scheduled), so the
+        report minus our own requests at the length the engine counts them is the rest."""
+        others = self.reported.waiting_tokens - self.inflight_prompt_tokens
+        return self.inflight_tokens + max(0, others)
 
     def summary_prefix(self, keys) -> int:
         """Leading `keys` in the cache summary the instance reported."""
@@ -87,23 +100,37 @@ class Backend:
             n += 1
         return n
 
+    def routed_uncached(self, tokens: int) -> None:
+        """The prompt just routed here has `tokens` not in this instance's prefix cache; the
+        next dispatch() (which follows the routing decision with no await between) counts
+        no more than that."""
+        self._uncached = max(0, tokens)
+
     def dispatch(self, tokens: int) -> "Lease":
+        """`tokens`: prompt tokens the caller expects computed (store loads already left
+        out); capped by what the routing decision found uncached here."""
+        given = tokens
+        if self._uncached is not None:
+            tokens, self._uncached = min(tokens, self._uncached), None
         self.breaker.on_dispatch()
         self.inflight += 1
         self.inflight_tokens += tokens
-        return Lease(self, tokens, time.monotonic())
+        self.inflight_prompt_tokens += given
+        return Lease(self, tokens, given, time.monotonic())
 
 
 class Lease:
-    def __init__(self, backend: Backend, tokens: int, sent: float):
+    def __init__(self, backend: Backend, tokens: int, given: int, sent: float):
         self.backend = backend
         self.sent = sent
-        self._tokens = tokens
+        self._tokens = tokens  # in the instance's queue estimate until the first token
+        self._given = given  # the same, as the caller counted them (before the cache cap)
         self._open = True
 
     def first_token(self) -> None:
         self.backend.inflight_tokens -= self._tokens
-        self._tokens = 0
+        self.backend.inflight_prompt_tokens -= self._given
+        self._tokens = self._given = 0
 
     def finish(self, ok: Optional[bool]) -> bool:
         """Closes the lease; True when this failure opened the instance's breaker."""

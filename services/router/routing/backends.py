@@ -113,7 +113,10 @@ class BackendPool:
         cands = self.candidates(keys, exclude)
         if not cands:
             raise unavailable(f"no {self.kind} instance is reachable; try again shortly")
-        backend = self.policy.choose(cands, req).ref
+        chosen = self.policy.choose(cands, req)
+        backend = chosen.ref
+        if req.block_size:  # its queue estimate: the part of the prompt it has not cached
+            backend.routed_uncached(req.prompt_len - req.block_size * chosen.local_blocks)
         if keys:
             self.memory.record(keys, backend.address)
         self._metrics.routed.labels(self.kind, backend.address).inc()

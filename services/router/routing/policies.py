@@ -4,7 +4,8 @@
 - least_load: fewest active requests, then fewest queued prompt tokens.
 - power_of_two: two at random, the less loaded of them (near least-load, no herding on a
   stale load report).
-- kv_aware: the lowest cost.kv_cost (prefix reuse weighed against load).
+- kv_aware: the lowest cost.kv_cost (prefix reuse weighed against load) among the instances
+  not far busier than the least busy one (`balanced`).
 `Affinity` wraps any of them: a request with a session key goes to the instance that key
 hashes to (rendezvous hashing, stable as instances come and go) unless that one is busier
 than `max_queue_tokens`.
@@ -60,9 +61,20 @@ class KVAware:
         self._turn = itertools.count()
 
     def choose(self, cands: Sequence[Candidate], req: RouteRequest) -> Candidate:
-        start = next(self._turn) % len(cands)
-        return min(_rotated(cands, start),
+        fair = balanced(cands, self.weights)
+        start = next(self._turn) % len(fair)
+        return min(_rotated(fair, start),
                    key=lambda c: (kv_cost(c, req, self.weights), c.active))
+
+
+def balanced(cands: Sequence[Candidate], w: CostWeights) -> list[Candidate]:
+    """The candidates not far busier than the least busy one (never empty). Without this, a
+    prefix every request shares (one system prompt) draws every conversation to the first
+    instance that computed it while the others idle: each running request costs only
+    `w.running` there, far less than the prefix saves."""
+    least = min(c.active for c in cands)
+    return [c for c in cands
+            if c.active - least <= w.balance_abs or c.active <= w.balance_rel * least]
 
 
 class Affinity:

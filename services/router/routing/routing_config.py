@@ -16,11 +16,19 @@ class CostWeights:
     queue: float = 1.0  # per prompt token already queued on the instance
     running: float = 16.0  # per request the instance is running or has waiting
     kv_usage: float = 256.0  # at 100% KV usage (near preemption)
+    # An instance running more than balance_abs requests beyond the least busy one, and more
+    # than balance_rel times as many, is not a candidate: however much of the prompt it holds
+    # (SGLang's cache-aware router has the same guard, at 32 and 1.1 for GPU batches; on a
+    # CPU every running request slows each step, so the gap allowed is smaller).
+    balance_abs: float = 4.0
+    balance_rel: float = 1.5
 
     def __post_init__(self):
         if not 0.0 <= self.store_hit <= 1.0:
             raise ValueError(f"store_hit must be in [0, 1], got {self.store_hit}")
-        for name in ("queue", "running", "kv_usage"):
+        if self.balance_rel < 1.0:
+            raise ValueError(f"balance_rel must be >= 1, got {self.balance_rel}")
+        for name in ("queue", "running", "kv_usage", "balance_abs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cost weight {name} must be >= 0, got {getattr(self, name)}")
 

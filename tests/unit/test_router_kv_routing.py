@@ -1,0 +1,159 @@
+"""KV-aware routing decisions through the router's real pool (BackendPool: its prefix memory,
+the engines' block keys, leases) with two fake instances: multi-turn chat stays on the
+instance holding each conversation, the queue estimate counts only uncached tokens, and a
+holder with real work queued still loses to an idle instance."""
+
+import asyncio
+import random
+
+from pdserve.common.rpc import engine_pb2 as pb
+from pdserve.common.telemetry.metrics import RouterMetrics
+from pdserve.services.router.dispatch.requests import block_keys
+from pdserve.services.router.routing.backends import BackendPool
+from pdserve.services.router.routing.candidate import RouteRequest
+from pdserve.services.router.routing.policies import make_policy
+from pdserve.services.router.routing.routing_config import RoutingConfig
+
+BS = 16
+A, B = "10.0.0.1:5000", "10.0.0.2:5000"
+
+
+def _pool() -> BackendPool:
+    pool = BackendPool((A, B), RouterMetrics(), 1.0, 1.0, 2,
+                       policy=make_policy("kv_aware", RoutingConfig()))
+    health = pb.HealthResponse(status=pb.HealthResponse.SERVING, model_fingerprint="fp",
+                               block_size=BS, max_model_len=8192)
+    for b in pool.backends:
+        b.record_success(health, pb.LoadResponse())
+    return pool
+
+
+def _send(pool: BackendPool, prompt: list[int]):
+    """Routes and dispatches one prompt as the router's dispatch does; returns the lease."""
+    keys, bs = block_keys(pool, prompt, None)
+    backend = pool.choose(RouteRequest(len(prompt), bs, 0, None), keys)
+    return backend.dispatch(len(prompt))
+
+
+def _run(body):
+    async def main():
+        pool = _pool()
+        try:
+            return body(pool)
+        finally:
+            await pool.close()
+    return asyncio.run(main())
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 30000) for _ in range(n)]
+
+
+def test_the_queue_estimate_counts_only_what_the_instance_has_not_cached():
+    def body(pool):
+        rng = random.Random(1)
+        history = _tokens(rng, 50 * BS)
+        pool.finish(_send(pool, history), ok=True)  # now cached where it went
+        turn2 = history + _tokens(rng, 40)
+        lease = _send(pool, turn2)
+        holder = lease.backend
+        assert holder.inflight_tokens == len(turn2) - 50 * BS  # 40, not 840
+        lease.first_token()
+        assert holder.inflight_tokens == 0
+        pool.finish(lease, ok=True)
+        cold = _send(pool, _tokens(rng, 300))  # nothing cached anywhere: all of it
+        assert cold.backend.inflight_tokens == 300
+    _run(body)
+
+
+def test_the_engines_report_adds_only_what_is_not_ours():
+    """The engine reports waiting requests with whole prompts; ours count uncached only."""
+    def body(pool):
+        a = pool.backend(A)
+        leases = []
+        for _ in range(2):  # two 2,500-token prompts, 100 tokens of each not cached there
+            a.routed_uncached(100)
+            leases.append(a.dispatch(2500))
+        a.record_success(a.health, pb.LoadResponse(num_waiting=2, num_waiting_tokens=5000))
+        assert a.queue_tokens == 200
+        # another router's 1,000-token prompt waits there too
+        a.record_success(a.health, pb.LoadResponse(num_waiting=3, num_waiting_tokens=6000))
+        assert a.queue_tokens == 1200
+        for lease in leases:
+            lease.first_token()
+        assert (a.inflight_tokens, a.inflight_prompt_tokens) == (0, 0)
+        assert a.queue_tokens == 6000  # a report older than our first tokens: all counted
+        for lease in leases:
+            pool.finish(lease, ok=True)
+    _run(body)
+
+
+def test_a_holders_pending_cache_hits_do_not_push_its_next_turns_away():
+    def body(pool):
+        rng = random.Random(2)
+        convs = [_tokens(rng, 60 * BS) for _ in range(3)]
+        pool.finish(_send(pool, convs[0]), ok=True)
+        home = pool.memory.leading(block_keys(pool, convs[0], None)[0])
+        (holder,) = home
+        for c in convs[1:]:  # the same instance computed the others' first turns too
+            pool.memory.record(block_keys(pool, c, None)[0], holder)
+        # the next turns of conversations 1 and 2 are waiting for their first token there
+        pending = [_send(pool, c + _tokens(rng, 30)) for c in convs[1:]]
+        assert {lease.backend.address for lease in pending} == {holder}
+        nxt = _send(pool, convs[0] + _tokens(rng, 30))
+        assert nxt.backend.address == holder  # 30 new tokens there beat 990 elsewhere
+    _run(body)
+
+
+def test_a_holder_with_real_work_queued_loses_to_an_idle_instance():
+    def body(pool):
+        rng = random.Random(3)
+        history = _tokens(rng, 20 * BS)
+        first = _send(pool, history)
+        holder = first.backend
+        pool.finish(first, ok=True)
+        queued = holder.dispatch(2000)  # an uncached prompt of 2000 tokens ahead there
+        nxt = _send(pool, history + _tokens(rng, 30))
+        assert nxt.backend is not holder  # 320 cached tokens do not pay for 2000 queued
+        pool.finish(queued, ok=True)
+    _run(body)
+
+
+def test_chat_conversations_stay_on_their_holders_and_split_evenly():
+    """Eight conversations with one shared system prompt, five turns each; a conversation's
+    next turn is sent as soon as its own answer is back, while the others' are still waiting
+    for their first token (as in a closed-loop chat benchmark)."""
+    def body(pool):
+        rng = random.Random(4)
+        system = _tokens(rng, 256)
+        convs = {c: system + _tokens(rng, 32) for c in range(8)}
+        homes: dict[int, set] = {c: set() for c in convs}
+        open_leases = {}
+        for _turn in range(5):
+            for c in convs:
+                if c in open_leases:  # its answer came back: the next turn goes
+                    pool.finish(open_leases.pop(c), ok=True)
+                    convs[c] = convs[c] + _tokens(rng, 32 + 32)
+                open_leases[c] = _send(pool, convs[c])
+                homes[c].add(open_leases[c].backend.address)
+        assert all(len(h) == 1 for h in homes.values()), homes
+        per = [sum(1 for h in homes.values() if h == {a}) for a in (A, B)]
+        assert per == [4, 4]
+    _run(body)
+
+
+def test_one_shared_system_prompt_does_not_draw_every_conversation_to_one_instance():
+    """Light load: each first turn is computed before the next arrives, so only the first
+    instance holds the system prompt; conversations keep running (long answers) there."""
+    def body(pool):
+        rng = random.Random(5)
+        system = _tokens(rng, 512)
+        running = []
+        for _ in range(10):
+            lease = _send(pool, system + _tokens(rng, 32))
+            lease.first_token()  # computed; it goes on decoding
+            running.append(lease)
+        per = {a: sum(1 for lease in running if lease.backend.address == a) for a in (A, B)}
+        assert max(per.values()) - min(per.values()) <= 5  # not 10 and 0
+        assert min(per.values()) >= 3
+    _run(body)
