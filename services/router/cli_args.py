@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 
 from pdserve.services.common.tls_args import add_tls_args, tls_from_args
 from pdserve.services.router.admission.admission_config import AdmissionConfig
@@ -35,8 +36,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "cached prefix, then load; round_robin: in turn")
     r.add_argument("--prefill-policy", choices=POLICIES, default="kv_aware",
                    help="how a prefill instance is chosen")
-    r.add_argument("--kv-cost-weights", default="", help="store_hit=0.8,queue=1,running=16,"
-                   "kv_usage=256 (any subset; see services/router/routing/cost.py)")
+    r.add_argument("--kv-cost-weights", default="", help=_weights_help())
     r.add_argument("--session-affinity", action="store_true",
                    help="the same `user` / affinity header goes to the same instance")
     r.add_argument("--affinity-header", default="x-session-id",
@@ -97,6 +97,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="seconds without a token before a stream is given up (then migrated)")
     f.add_argument("--max-migrations", type=int, default=3, help="times one stream may move "
                    "to another decode instance when its instance fails mid-stream (0: never)")
+
+
+def _weights_help() -> str:
+    """The defaults come from CostWeights itself, so the help cannot drift from them."""
+    pairs = ",".join(f"{name}={value:g}" for name, value in asdict(CostWeights()).items())
+    return f"{pairs} (any subset; see services/router/routing/routing_config.py)"
 
 
 def _weights(text: str) -> CostWeights:
