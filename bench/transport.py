@@ -35,7 +35,8 @@ _LEN = struct.Struct("!Q")
 CONTENDERS = ("socket", "tcp", "tcp+cap", "tcp+cap+mac", "tcp+cap+hmac", "ucx")
 _GRANT_KEY = b"bench-grant-key-0123456789abcdef"
 _MAC_KEY = b"bench-block-mac-0123456789abcdef"
-_INLINE_MAC_BYTES = 256 << 10  # smaller payloads are MAC'd on the event loop's thread
+# 30 layers x (K, V) x 16 tokens x 3 KV heads x 64 dims x 4 bytes, plus the 128-byte header
+SMOLLM2_BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4 + 128
 
 
 def add_transport_subcommand(sub) -> None:
@@ -51,7 +52,11 @@ def _parse(argv) -> argparse.Namespace:
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes-mib", default="1,4,16,64", help="payload sizes, MiB")
+    p.add_argument("--sizes-mib", default="0.5,1,4,16,64",
+                   help="payload sizes, MiB (fractions allowed)")
+    p.add_argument("--sizes-bytes", default=str(SMOLLM2_BLOCK_BYTES),
+                   help="more payload sizes, bytes (default: one encoded SmolLM2-135M block, "
+                        "16 tokens in fp32 with its header)")
     p.add_argument("--bytes-per-rep-mib", type=int, default=128, help="data sent per repetition")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rtt-iters", type=int, default=2000)
@@ -187,33 +192,34 @@ async def _transport_client(kind: str, port: int, args, sizes) -> dict:
 def _secured_send(conn, mac_kind: str):
     """A send that signs a capability per request and, for mac_kind "mac" or "hmac", MACs
     each block (pipelined: the next block's MAC runs in a worker thread during this send)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from pdserve.connector.kvstore.auth import sign_capability
     from pdserve.connector.kvstore.node_protocol import WRITE, NodeOp
 
     loop = asyncio.get_running_loop()
-    mac = {"mac": _codec_mac, "hmac": _hmac_sha256}.get(mac_kind)
+    mac = {"mac": _codec_mac(), "hmac": _hmac_sha256}.get(mac_kind)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="bench-mac")
     pending = []  # the MAC of the block to send next, computed while this one is sent
 
     async def send(payload: memoryview) -> None:
-        if mac is not None and len(payload) < _INLINE_MAC_BYTES:
-            mac(payload)  # a thread hop would cost more than the MAC
-        elif mac is not None:
+        if mac is not None:
             if pending:
                 await pending.pop()
             else:
                 mac(payload)
-            pending.append(loop.run_in_executor(None, mac, payload))
+            pending.append(loop.run_in_executor(pool, mac, payload))
         cap = sign_capability(_GRANT_KEY, WRITE, "bench", 0, len(payload), time.time() + 60)
         await conn.request(NodeOp(WRITE, 0, len(payload), cap).encode(), payload)
     return send
 
 
-def _codec_mac(payload: memoryview) -> bytes:
+def _codec_mac():
     """The block header the producer writes: its Poly1305 MAC over header and payload."""
     from pdserve.connector.codec import BlockCodec
 
     codec = BlockCodec("0f" * 32, 1, 1, 1, 1, mac_key=_MAC_KEY)  # geometry is not checked here
-    return codec.header(b"k" * 32, payload)
+    return lambda payload: codec.header(b"k" * 32, payload)
 
 
 def _hmac_sha256(payload: memoryview) -> bytes:
@@ -249,17 +255,23 @@ def _summary(results: dict, sizes) -> dict:
     if base:
         for kind, res in results.items():
             if kind != "socket":
-                ratios[kind] = {s // MiB: res["gbps"][s] / base["gbps"][s] for s in sizes}
-    big = [r for per in ratios.values() for s, r in per.items() if s >= 1]
+                ratios[kind] = {_label(s): res["gbps"][s] / base["gbps"][s] for s in sizes}
+    big = [r for per in ratios.values() for r in per.values()]
     return {
         "bench": "transport",
         "cpu": _cpu(),
-        "gbps": {k: {s // MiB: round(v["gbps"][s], 3) for s in sizes} for k, v in results.items()},
+        "gbps": {k: {_label(s): round(v["gbps"][s], 3) for s in sizes} for k, v in results.items()},
         "rtt_us": {k: round(v["rtt_us"], 1) for k, v in results.items()},
         "ratio_vs_socket": {k: {s: round(r, 3) for s, r in v.items()} for k, v in ratios.items()},
         "min_ratio_by_transport": {k: round(min(v.values()), 3) for k, v in ratios.items()},
         "min_ratio_vs_socket": round(min(big), 3) if big else None,
     }
+
+
+def _label(size: int) -> str:
+    """A size as the report names it: MiB, to 3 decimals where it is not whole."""
+    mib = size / MiB
+    return str(int(mib)) if mib == int(mib) else f"{mib:.3f}"
 
 
 def _cpu() -> str:
@@ -278,8 +290,8 @@ def _print_table(summary: dict, sizes) -> None:
     print(f"{'payload':>10} " + " ".join(f"{k + ' GB/s':>11}" for k in kinds)
           + "".join(f" {k + '/socket':>12}" for k in summary["ratio_vs_socket"]))
     for s in sizes:
-        mib = s // MiB
-        row = f"{str(mib) + ' MiB':>10} " + " ".join(
+        mib = _label(s)
+        row = f"{mib + ' MiB':>10} " + " ".join(
             f"{summary['gbps'][k][mib]:>11.3f}" for k in kinds)
         row += "".join(f" {v[mib]:>12.2f}" for v in summary["ratio_vs_socket"].values())
         print(row)
@@ -298,7 +310,10 @@ def _run(args: argparse.Namespace) -> int:
         torch.set_num_threads(1)  # nothing here computes; keep torch off the shared cores
     except ImportError:
         pass
-    sizes = [int(x) * MiB for x in args.sizes_mib.split(",")]
+    sizes = sorted({round(float(x) * MiB) for x in args.sizes_mib.split(",") if x}
+                   | {int(x) for x in args.sizes_bytes.split(",") if x})
+    if not sizes or min(sizes) < 1:
+        raise ValueError("every payload size must be at least one byte")
     kinds = [k for k in args.transports.split(",") if k]
     unknown = set(kinds) - set(CONTENDERS)
     if unknown:

@@ -232,11 +232,8 @@ class StoreKVConnector(KVConnector):
                 self._note_failure("preempted:" + type(exc).__name__)
                 have = len(keys)
             whole = memoryview(buf)
-            items = []
-            for j in range(have, len(keys)):
-                view = whole[j * size:(j + 1) * size]
-                view[:HEADER_SIZE] = self.codec.header(keys[j], view[HEADER_SIZE:])
-                items.append(("", keys[j], view))
+            items = [("", keys[j], whole[j * size:(j + 1) * size])
+                     for j in range(have, len(keys))]
             await self._put_many(items, [])
         finally:
             with self._lock:
@@ -337,11 +334,8 @@ class StoreKVConnector(KVConnector):
     async def _save(self, staged, buf: bytearray) -> None:
         size = self.codec.nbytes
         whole = memoryview(buf)
-        items = []
-        for j, (rid, key, _) in enumerate(staged):
-            view = whole[j * size:(j + 1) * size]
-            view[:HEADER_SIZE] = self.codec.header(key, view[HEADER_SIZE:])
-            items.append((rid, key, view))
+        items = [(rid, key, whole[j * size:(j + 1) * size])
+                 for j, (rid, key, _) in enumerate(staged)]
         await self._put_many(items, [rid for rid, _, _ in items])  # one count per block
 
     async def _backfill(self, rid: str, keys: list[bytes], block_ids: list[int],
@@ -370,8 +364,8 @@ class StoreKVConnector(KVConnector):
             try:
                 for key, block_id in todo:
                     block = self.heads.read_block(block_id)
-                    items.append((rid, key, self.codec.encode_into(
-                        key, block, bytearray(self.codec.nbytes))))
+                    items.append((rid, key, self.codec.write_payload(
+                        block, bytearray(self.codec.nbytes))))
             except Exception as exc:  # noqa: BLE001 - save what was encoded; never leak
                 self._note_failure("backfill:" + type(exc).__name__)
             await self._put_many(items, [rid])  # one count for the whole backfill
@@ -380,13 +374,16 @@ class StoreKVConnector(KVConnector):
                 self._budget_used -= reserved
 
     async def _put_many(self, items, done: list[str]) -> None:
-        """Put (request id, key, encoded view) items, then mark `done` (one entry per count
-        taken in _saving) finished."""
+        """Put (request id, key, staged view) items, then mark `done` (one entry per count
+        taken in _saving) finished. A staged view holds its payload; its header (and MAC) is
+        written here, on the I/O worker thread, while the loop sends the blocks before it."""
         t0 = time.perf_counter()
 
         async def put(key: bytes, view: memoryview) -> bool:
             async with self._semaphore():
                 try:
+                    view[:HEADER_SIZE] = await self.io.offload(self.codec.header, key,
+                                                               view[HEADER_SIZE:])
                     status = await self.store.put(key, view, self.config.lease_s)
                 except Exception as exc:
                     self._note_failure("save:" + type(exc).__name__)
@@ -416,11 +413,13 @@ class StoreKVConnector(KVConnector):
             results = await asyncio.wait_for(fetch, self.config.load_timeout_s)
         except Exception as exc:  # noqa: BLE001 - timeout or an unreachable store: recompute
             results = [exc] * len(keys)
-        loaded = 0
-        for key, block_id, buf, got in zip(keys, block_ids, bufs, results):
-            if not self._install(key, block_id, buf, got):
-                break
-            loaded += 1
+        # The MACs are checked on the I/O worker: the loop keeps moving other transfers.
+        blocks, why = await self.io.offload(self._verify, keys, bufs, results)
+        for block_id, block in zip(block_ids, blocks):
+            self.heads.write_block(block_id, block)
+        if why is not None:
+            self._note_failure(why)
+        loaded = len(blocks)
         self.stats.blocks_loaded += loaded
         self.stats.bytes_loaded += loaded * self.codec.nbytes
         self.stats.load_seconds += time.perf_counter() - t0
@@ -431,19 +430,19 @@ class StoreKVConnector(KVConnector):
                 self.stats.load_failures += 1
                 self._failed[rid] = loaded * self.codec.block_size
 
-    def _install(self, key: bytes, block_id: int, buf: bytearray, got) -> bool:
-        """Validate one fetched block and write it into every layer's cache."""
-        if isinstance(got, BaseException) or got is None:
-            self._note_failure("miss" if got is None else type(got).__name__)
-            return False
-        try:
-            block = self.codec.decode(key, memoryview(buf)[:got])  # [L, 2, bs, kvh, d]
-        except BlockCodecError as exc:
-            self._note_failure("codec")
-            log.warning("%s", exc)
-            return False
-        self.heads.write_block(block_id, block)
-        return True
+    def _verify(self, keys, bufs, results) -> tuple[list[torch.Tensor], Optional[str]]:
+        """The leading fetched blocks that decode (MAC checked), each [L, 2, bs, kvh, d],
+        and why the one after them did not (None when all did)."""
+        blocks = []
+        for key, buf, got in zip(keys, bufs, results):
+            if isinstance(got, BaseException) or got is None:
+                return blocks, "miss" if got is None else type(got).__name__
+            try:
+                blocks.append(self.codec.decode(key, memoryview(buf)[:got]))
+            except BlockCodecError as exc:
+                log.warning("%s", exc)
+                return blocks, "codec"
+        return blocks, None
 
     def _note_failure(self, reason: str) -> None:
         self.stats.failure_reasons[reason] = self.stats.failure_reasons.get(reason, 0) + 1

@@ -9,7 +9,7 @@ from pdserve.connector.codec import BlockCodec, BlockCodecError
 
 def test_bench_mac_is_the_codec_mac_a_reader_verifies():
     payload = bytes(range(8))  # the bench codec's geometry: 1x2x1x1x1 float32
-    header = transport._codec_mac(memoryview(payload))
+    header = transport._codec_mac()(memoryview(payload))
     reader = BlockCodec("0f" * 32, 1, 1, 1, 1, mac_key=transport._MAC_KEY)
     reader.decode(b"k" * 32, memoryview(bytearray(header + payload)))
     with pytest.raises(BlockCodecError, match="MAC"):
