@@ -1,20 +1,36 @@
 """`pdserve bench transport`: KV transport throughput and round trip against a raw socket.
 
 Each contender's server runs in its own process (a core of its own, as a storage node would)
-and sinks payloads into a preallocated buffer; the client sends `size` payloads, each answered
-by a tiny ack (the put direction). The raw socket baseline is blocking `sendall`/`recv_into`
-over loopback with the same framing. Figures are medians over repetitions; the last line of
-output is one JSON object (see `_summary`).
+and sinks payloads into a preallocated buffer; the client sends `size` payloads one after the
+other on one connection, each answered by a tiny ack before the next is sent (the put
+direction: one request in flight, for every contender). Figures are medians over
+repetitions; the last line of output is one JSON object (see `_summary`). Sizes: `--sizes-mib`
+(fractions allowed) and `--sizes-bytes`, by default one encoded SmolLM2-135M block (16 tokens,
+fp32: 737,408 bytes), the block the store moves most.
 
-Two contenders are the storage node's real path with the store's security on. `tcp+cap`: the
-server is a SegmentHandler that checks an HMAC capability on every request before landing the
-payload; the client signs a capability per request (as the master does per replica).
-`tcp+cap+mac` also computes each block's MAC as the producer does (BlockCodec.header: Poly1305
-under a one-time key derived from a fresh nonce, connector/codec.py): in a worker thread
-(cryptography drops the GIL), the next block's MAC while this one is sent, which is how a
-producer can pipeline it (a MAC must precede its block's transfer: it is in the header).
-`tcp+cap+hmac` is the same with the previous construction, HMAC-SHA256 over the payload, for
-comparison.
+The contenders:
+
+- `socket`: the baseline. Blocking `sendall` of an 8-byte length, `sendall` of the payload,
+  `recv_into` of a 1-byte ack, over loopback; the server receives into its buffer.
+- `tcp`: the KV transport (connector/transport/tcp.py, asyncio's non-blocking socket calls)
+  with a trivial handler that lands the payload in a preallocated buffer.
+- `ucx`: the same over UCX (ucxx), where it is installed.
+- `tcp+cap`: the storage node's real write path with the store secret on. The server is a
+  SegmentHandler over a Segment that checks the HMAC capability of every request before a
+  byte of its payload lands; the client signs a capability per request (as the master does
+  per replica) and sends NodeOp WRITE requests, as KVStoreClient._write does.
+- `tcp+cap+mac`: `tcp+cap`, plus each block's MAC as the connector computes it on its save
+  path (StoreKVConnector._put_many): BlockCodec.header (HMAC-SHA256 one-time key from a fresh
+  nonce, then Poly1305 over header and payload, connector/codec.py) on one worker thread,
+  the GIL released (connector/poly1305.py), the next block's MAC computed while this block
+  is sent. The first block's MAC is computed before it is sent; every MAC is waited for
+  before the send after it, so each block's MAC is inside the timed loop.
+- `tcp+cap+hmac`: the same with the previous construction (format version 2),
+  HMAC-SHA256 over the payload (hashlib, which also releases the GIL), for comparison.
+
+The MAC contenders compute each block's header but send the same `size` bytes as the others
+(a real block's 128-byte header is part of its size). No contender talks to a master: the
+PutStart/PutEnd round trips of a real put are outside what this measures (the bytes' path).
 """
 
 from __future__ import annotations

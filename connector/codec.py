@@ -14,6 +14,8 @@ Poly1305 and not HMAC-SHA256 over the payload: several times faster (~1.5 GB/s p
 for HMAC-SHA256 here), and a fresh PRF-derived key per block is exactly how it is used in
 ChaCha20-Poly1305; why it is sound is in docs/kvstore-security.md. Without a block secret the
 MAC key is a public constant: still an integrity check, no longer an authenticity one.
+`header` and `decode` release the GIL while they hash the payload (connector/poly1305.py), so
+the connector runs them on its I/O worker while its loop moves other blocks.
 """
 
 from __future__ import annotations
