@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import glob
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import struct
@@ -150,30 +152,47 @@ def _transport(kind: str, progress_mode: str):
 
 # ---- client side -----------------------------------------------------------------------
 
-async def _measure(send, sizes, per_rep: int, reps: int, rtt_iters: int) -> dict:
-    """Median GB/s per payload size and median small-message round trip (us)."""
+def _cpu_seconds(pids) -> float:
+    """CPU time so far of every thread of these processes (Linux schedstat, ns resolution):
+    what a transfer costs in CPU, whatever else the machine runs. 0.0 where unavailable."""
+    total = 0
+    for pid in pids:
+        for task in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+            try:
+                with open(task) as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):  # a thread that just ended
+                pass
+    return total / 1e9
+
+
+async def _measure(send, sizes, args, cpu) -> dict:
+    """Per payload size: median GB/s and median CPU (client + server, us per MiB); median
+    small-message round trip (us)."""
+    per_rep, reps, rtt_iters = args.bytes_per_rep_mib * MiB, args.reps, args.rtt_iters
     data = memoryview(np.random.default_rng(0).integers(0, 255, max(sizes), dtype=np.uint8))
-    gbps = {}
+    gbps, cpu_us = {}, {}
     for size in sizes:
         count = max(1, per_rep // size)
         await send(data[:size])  # warm-up: connection set-up, page faults in the sink
-        runs = []
+        runs, cpus = [], []
         for _ in range(reps):
-            t0 = time.perf_counter()
+            c0, t0 = cpu(), time.perf_counter()
             for _ in range(count):
                 await send(data[:size])
             runs.append(size * count / (time.perf_counter() - t0) / 1e9)
-        gbps[size] = statistics.median(runs)
+            cpus.append((cpu() - c0) / (size * count / MiB) * 1e6)
+        gbps[size], cpu_us[size] = statistics.median(runs), statistics.median(cpus)
     rtts = []
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(rtt_iters):
             await send(data[:0])
         rtts.append((time.perf_counter() - t0) / rtt_iters * 1e6)
-    return {"gbps": gbps, "rtt_us": statistics.median(rtts)}
+    return {"gbps": gbps, "cpu_us_per_mib": cpu_us, "rtt_us": statistics.median(rtts)}
 
 
-async def _raw_client(port: int, args, sizes) -> dict:
+async def _raw_client(port: int, args, sizes, cpu) -> dict:
     s = socket.create_connection(("127.0.0.1", port))
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     ack = memoryview(bytearray(1))
@@ -184,13 +203,12 @@ async def _raw_client(port: int, args, sizes) -> dict:
         _recv_exact(s, ack)
 
     try:
-        return await _measure(send, sizes, args.bytes_per_rep_mib * MiB, args.reps,
-                              args.rtt_iters)
+        return await _measure(send, sizes, args, cpu)
     finally:
         s.close()
 
 
-async def _transport_client(kind: str, port: int, args, sizes) -> dict:
+async def _transport_client(kind: str, port: int, args, sizes, cpu) -> dict:
     conn = await _transport(kind, args.ucx_progress_mode).connect(f"127.0.0.1:{port}")
 
     async def send(payload: memoryview) -> None:
@@ -199,8 +217,7 @@ async def _transport_client(kind: str, port: int, args, sizes) -> dict:
     if kind.startswith("tcp+cap"):
         send = _secured_send(conn, kind.rpartition("+")[2])
     try:
-        return await _measure(send, sizes, args.bytes_per_rep_mib * MiB, args.reps,
-                              args.rtt_iters)
+        return await _measure(send, sizes, args, cpu)
     finally:
         await conn.close()
 
@@ -256,8 +273,9 @@ def _run_one(kind: str, args, sizes) -> dict:
             raise RuntimeError(f"{kind} bench server did not start")
         port = parent.recv()
         client = _raw_client if kind == "socket" else (
-            lambda p, a, s: _transport_client(kind, p, a, s))
-        return asyncio.run(client(port, args, sizes))
+            lambda *a: _transport_client(kind, *a))
+        pids = (os.getpid(), proc.pid)
+        return asyncio.run(client(port, args, sizes, lambda: _cpu_seconds(pids)))
     finally:
         proc.terminate()
         proc.join(10)
@@ -267,18 +285,28 @@ def _run_one(kind: str, args, sizes) -> dict:
 
 def _summary(results: dict, sizes) -> dict:
     base = results.get("socket")
-    ratios = {}
+    ratios, cpu_ratios = {}, {}
     if base:
         for kind, res in results.items():
             if kind != "socket":
                 ratios[kind] = {_label(s): res["gbps"][s] / base["gbps"][s] for s in sizes}
+                cpu_ratios[kind] = {_label(s): res["cpu_us_per_mib"][s]
+                                    / max(base["cpu_us_per_mib"][s], 1e-9) for s in sizes}
     big = [r for per in ratios.values() for r in per.values()]
+
+    def per_size(field: str, digits: int) -> dict:
+        return {k: {_label(s): round(v[field][s], digits) for s in sizes}
+                for k, v in results.items()}
+
     return {
         "bench": "transport",
         "cpu": _cpu(),
-        "gbps": {k: {_label(s): round(v["gbps"][s], 3) for s in sizes} for k, v in results.items()},
+        "gbps": per_size("gbps", 3),
+        "cpu_us_per_mib": per_size("cpu_us_per_mib", 1),
         "rtt_us": {k: round(v["rtt_us"], 1) for k, v in results.items()},
         "ratio_vs_socket": {k: {s: round(r, 3) for s, r in v.items()} for k, v in ratios.items()},
+        "cpu_ratio_vs_socket": {k: {s: round(r, 3) for s, r in v.items()}
+                                for k, v in cpu_ratios.items()},
         "min_ratio_by_transport": {k: round(min(v.values()), 3) for k, v in ratios.items()},
         "min_ratio_vs_socket": round(min(big), 3) if big else None,
     }
@@ -312,6 +340,13 @@ def _print_table(summary: dict, sizes) -> None:
         row += "".join(f" {v[mib]:>12.2f}" for v in summary["ratio_vs_socket"].values())
         print(row)
     print(f"{'rtt (us)':>10} " + " ".join(f"{summary['rtt_us'][k]:>11.1f}" for k in kinds))
+    print("CPU us per MiB (client + server), and its ratio to the socket's:")
+    for s in sizes:
+        mib = _label(s)
+        row = f"{mib + ' MiB':>10} " + " ".join(
+            f"{summary['cpu_us_per_mib'][k][mib]:>11.1f}" for k in kinds)
+        row += "".join(f" {v[mib]:>12.2f}" for v in summary["cpu_ratio_vs_socket"].values())
+        print(row)
     print(f"cpu: {summary['cpu']}")
 
 

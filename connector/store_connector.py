@@ -9,9 +9,9 @@ step and allocates one staging buffer for them (codec layout, header space inclu
 the copy overlaps the forward; `end_step` hands the buffer to the I/O thread, which writes the
 headers and puts the objects while the engine computes on. Each header's MAC is computed on
 the I/O thread's worker (IOThread.offload; it releases the GIL), so one block's MAC overlaps
-the send of the block before it and never stalls the engine thread. The request's blocks stay allocated
-(`request_finished` -> True) until its puts are done. A failed put only costs a later reader a
-recomputation.
+the send of the block before it and never stalls the engine thread. The request's blocks
+stay allocated (`request_finished` -> True) until its puts are done. A failed put only costs
+a later reader a recomputation.
 
 Consumer (decode): `get_num_new_matched_tokens` asks the store how many of the request's next
 blocks exist (a prefix lookup; a caller's hint in request.kv_transfer.block_keys saves it).
@@ -19,9 +19,9 @@ The lookup runs on the I/O thread: the first call starts it and answers None ("a
 step"), so a slow or blackholed master never stalls the engine thread; the store client's
 lookup deadline ends it, and a failed lookup answers 0 (recompute).
 `update_state_after_alloc` starts fetching them into the allocated blocks. Each fetched block is
-validated by the codec (its MAC checked on the I/O worker) before it is written to the cache; the load stops at the first missing,
-unreadable, corrupted or late block, and reports the blocks before it as loaded, so the engine
-recomputes from there.
+validated by the codec (its MAC checked on the I/O worker) before it is written to the
+cache; the load stops at the first missing, unreadable, corrupted or late block, and reports
+the blocks before it as loaded, so the engine recomputes from there.
 
 Reuse (ConnectorConfig.reuse, on by default; docs/kv-reuse.md): a producer is a consumer too,
 so a prefill instance loads the stored prefix of a prompt (a shared system prompt, a
