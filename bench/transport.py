@@ -333,21 +333,20 @@ def _print_table(summary: dict, sizes) -> None:
     kinds = list(summary["gbps"])
     print(f"{'payload':>10} " + " ".join(f"{k + ' GB/s':>11}" for k in kinds)
           + "".join(f" {k + '/socket':>12}" for k in summary["ratio_vs_socket"]))
-    for s in sizes:
-        mib = _label(s)
-        row = f"{mib + ' MiB':>10} " + " ".join(
-            f"{summary['gbps'][k][mib]:>11.3f}" for k in kinds)
-        row += "".join(f" {v[mib]:>12.2f}" for v in summary["ratio_vs_socket"].values())
-        print(row)
+    _print_rows(summary["gbps"], summary["ratio_vs_socket"], sizes, 3)
     print(f"{'rtt (us)':>10} " + " ".join(f"{summary['rtt_us'][k]:>11.1f}" for k in kinds))
     print("CPU us per MiB (client + server), and its ratio to the socket's:")
+    _print_rows(summary["cpu_us_per_mib"], summary["cpu_ratio_vs_socket"], sizes, 1)
+    print(f"cpu: {summary['cpu']}")
+
+
+def _print_rows(values: dict, ratios: dict, sizes, digits: int) -> None:
+    """One row per size: each contender's value, then each ratio to the socket."""
     for s in sizes:
         mib = _label(s)
-        row = f"{mib + ' MiB':>10} " + " ".join(
-            f"{summary['cpu_us_per_mib'][k][mib]:>11.1f}" for k in kinds)
-        row += "".join(f" {v[mib]:>12.2f}" for v in summary["cpu_ratio_vs_socket"].values())
-        print(row)
-    print(f"cpu: {summary['cpu']}")
+        row = f"{mib + ' MiB':>10} " + " ".join(f"{v[mib]:>11.{digits}f}"
+                                                  for v in values.values())
+        print(row + "".join(f" {v[mib]:>12.2f}" for v in ratios.values()))
 
 
 def main(argv=None) -> int:
