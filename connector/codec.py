@@ -20,7 +20,6 @@ the connector runs them on its I/O worker while its loop moves other blocks.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import struct
@@ -81,8 +80,8 @@ class BlockCodec:
 
     def _tag(self, nonce: bytes, unsigned_header: bytes, payload: memoryview) -> bytes:
         """The Poly1305 tag, under a key for this block alone, of header and payload."""
-        one_time_key = hmac.new(self.mac_key, _OTK_LABEL + nonce, hashlib.sha256).digest()
-        return poly1305_tag(one_time_key, (memoryview(unsigned_header), payload))  # GIL free
+        one_time_key = hmac.digest(self.mac_key, _OTK_LABEL + nonce, "sha256")  # HMAC-SHA256
+        return poly1305_tag(one_time_key, (unsigned_header, payload))  # GIL free
 
     def header(self, key: bytes, payload: memoryview) -> bytes:
         """The header of a block holding `payload`, its MAC computed under a fresh nonce."""
