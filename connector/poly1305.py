@@ -65,6 +65,8 @@ class _Pinned:
             self._keep, self.address, self.nbytes = part, part, len(part)
             return
         view = memoryview(part)
+        if not view.c_contiguous:  # libcrypto reads nbytes from one address
+            raise ValueError("a buffer to MAC must be contiguous")
         self.nbytes = view.nbytes
         if view.readonly:
             self._keep = np.frombuffer(view, dtype=np.uint8)

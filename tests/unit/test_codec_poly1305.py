@@ -33,9 +33,11 @@ def test_a_changed_byte_or_key_changes_the_tag():
     assert poly1305.poly1305_tag(bytes(32 - 1) + b"\1", [memoryview(msg)]) != tag
 
 
-def test_bad_key_length_is_refused():
+def test_bad_key_length_and_strided_buffers_are_refused():
     with pytest.raises(ValueError, match="32 bytes"):
         poly1305.poly1305_tag(b"short", [memoryview(b"x")])
+    with pytest.raises(ValueError, match="contiguous"):  # never a read past what it views
+        poly1305.poly1305_tag(bytes(32), [memoryview(bytearray(64))[::2]])
 
 
 def test_libcrypto_is_bound_and_its_calls_release_the_gil():
