@@ -1,28 +1,46 @@
 """`pdserve bench transport`: KV transport throughput and round trip against a raw socket.
 
 Each contender's server runs in its own process (a core of its own, as a storage node would)
-and sinks payloads into a preallocated buffer; the client sends `size` payloads, each answered
-by a tiny ack (the put direction). The raw socket baseline is blocking `sendall`/`recv_into`
-over loopback with the same framing. Figures are medians over repetitions; the last line of
-output is one JSON object (see `_summary`).
+and sinks payloads into a preallocated buffer; the client sends `size` payloads one after the
+other on one connection, each answered by a tiny ack before the next is sent (the put
+direction: one request in flight, for every contender). Figures are medians over
+repetitions; the last line of output is one JSON object (see `_summary`). Sizes: `--sizes-mib`
+(fractions allowed) and `--sizes-bytes`, by default one encoded SmolLM2-135M block (16 tokens,
+fp32: 737,408 bytes), the block the store moves most.
 
-Two contenders are the storage node's real path with the store's security on. `tcp+cap`: the
-server is a SegmentHandler that checks an HMAC capability on every request before landing the
-payload; the client signs a capability per request (as the master does per replica).
-`tcp+cap+mac` also computes each block's MAC as the producer does (BlockCodec.header: Poly1305
-under a one-time key derived from a fresh nonce, connector/codec.py): in a worker thread
-(cryptography drops the GIL), the next block's MAC while this one is sent, which is how a
-producer can pipeline it (a MAC must precede its block's transfer: it is in the header).
-`tcp+cap+hmac` is the same with the previous construction, HMAC-SHA256 over the payload, for
-comparison.
+The contenders:
+
+- `socket`: the baseline. Blocking `sendall` of an 8-byte length, `sendall` of the payload,
+  `recv_into` of a 1-byte ack, over loopback; the server receives into its buffer.
+- `tcp`: the KV transport (connector/transport/tcp.py, asyncio's non-blocking socket calls)
+  with a trivial handler that lands the payload in a preallocated buffer.
+- `ucx`: the same over UCX (ucxx), where it is installed.
+- `tcp+cap`: the storage node's real write path with the store secret on. The server is a
+  SegmentHandler over a Segment that checks the HMAC capability of every request before a
+  byte of its payload lands; the client signs a capability per request (as the master does
+  per replica) and sends NodeOp WRITE requests, as KVStoreClient._write does.
+- `tcp+cap+mac`: `tcp+cap`, plus each block's MAC as the connector computes it on its save
+  path (StoreKVConnector._put_many): BlockCodec.header (HMAC-SHA256 one-time key from a fresh
+  nonce, then Poly1305 over header and payload, connector/codec.py) on one worker thread,
+  the GIL released (connector/poly1305.py), the next block's MAC computed while this block
+  is sent. The first block's MAC is computed before it is sent; every MAC is waited for
+  before the send after it, so each block's MAC is inside the timed loop.
+- `tcp+cap+hmac`: the same with the previous construction (format version 2),
+  HMAC-SHA256 over the payload (hashlib, which also releases the GIL), for comparison.
+
+The MAC contenders compute each block's header but send the same `size` bytes as the others
+(a real block's 128-byte header is part of its size). No contender talks to a master: the
+PutStart/PutEnd round trips of a real put are outside what this measures (the bytes' path).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import glob
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import struct
@@ -35,7 +53,8 @@ _LEN = struct.Struct("!Q")
 CONTENDERS = ("socket", "tcp", "tcp+cap", "tcp+cap+mac", "tcp+cap+hmac", "ucx")
 _GRANT_KEY = b"bench-grant-key-0123456789abcdef"
 _MAC_KEY = b"bench-block-mac-0123456789abcdef"
-_INLINE_MAC_BYTES = 256 << 10  # smaller payloads are MAC'd on the event loop's thread
+# 30 layers x (K, V) x 16 tokens x 3 KV heads x 64 dims x 4 bytes, plus the 128-byte header
+SMOLLM2_BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4 + 128
 
 
 def add_transport_subcommand(sub) -> None:
@@ -51,7 +70,11 @@ def _parse(argv) -> argparse.Namespace:
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes-mib", default="1,4,16,64", help="payload sizes, MiB")
+    p.add_argument("--sizes-mib", default="0.5,1,4,16,64",
+                   help="payload sizes, MiB (fractions allowed)")
+    p.add_argument("--sizes-bytes", default=str(SMOLLM2_BLOCK_BYTES),
+                   help="more payload sizes, bytes (default: one encoded SmolLM2-135M block, "
+                        "16 tokens in fp32 with its header)")
     p.add_argument("--bytes-per-rep-mib", type=int, default=128, help="data sent per repetition")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rtt-iters", type=int, default=2000)
@@ -129,30 +152,47 @@ def _transport(kind: str, progress_mode: str):
 
 # ---- client side -----------------------------------------------------------------------
 
-async def _measure(send, sizes, per_rep: int, reps: int, rtt_iters: int) -> dict:
-    """Median GB/s per payload size and median small-message round trip (us)."""
+def _cpu_seconds(pids) -> float:
+    """CPU time so far of every thread of these processes (Linux schedstat, ns resolution):
+    what a transfer costs in CPU, whatever else the machine runs. 0.0 where unavailable."""
+    total = 0
+    for pid in pids:
+        for task in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+            try:
+                with open(task) as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):  # a thread that just ended
+                pass
+    return total / 1e9
+
+
+async def _measure(send, sizes, args, cpu) -> dict:
+    """Per payload size: median GB/s and median CPU (client + server, us per MiB); median
+    small-message round trip (us)."""
+    per_rep, reps, rtt_iters = args.bytes_per_rep_mib * MiB, args.reps, args.rtt_iters
     data = memoryview(np.random.default_rng(0).integers(0, 255, max(sizes), dtype=np.uint8))
-    gbps = {}
+    gbps, cpu_us = {}, {}
     for size in sizes:
         count = max(1, per_rep // size)
         await send(data[:size])  # warm-up: connection set-up, page faults in the sink
-        runs = []
+        runs, cpus = [], []
         for _ in range(reps):
-            t0 = time.perf_counter()
+            c0, t0 = cpu(), time.perf_counter()
             for _ in range(count):
                 await send(data[:size])
             runs.append(size * count / (time.perf_counter() - t0) / 1e9)
-        gbps[size] = statistics.median(runs)
+            cpus.append((cpu() - c0) / (size * count / MiB) * 1e6)
+        gbps[size], cpu_us[size] = statistics.median(runs), statistics.median(cpus)
     rtts = []
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(rtt_iters):
             await send(data[:0])
         rtts.append((time.perf_counter() - t0) / rtt_iters * 1e6)
-    return {"gbps": gbps, "rtt_us": statistics.median(rtts)}
+    return {"gbps": gbps, "cpu_us_per_mib": cpu_us, "rtt_us": statistics.median(rtts)}
 
 
-async def _raw_client(port: int, args, sizes) -> dict:
+async def _raw_client(port: int, args, sizes, cpu) -> dict:
     s = socket.create_connection(("127.0.0.1", port))
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     ack = memoryview(bytearray(1))
@@ -163,13 +203,12 @@ async def _raw_client(port: int, args, sizes) -> dict:
         _recv_exact(s, ack)
 
     try:
-        return await _measure(send, sizes, args.bytes_per_rep_mib * MiB, args.reps,
-                              args.rtt_iters)
+        return await _measure(send, sizes, args, cpu)
     finally:
         s.close()
 
 
-async def _transport_client(kind: str, port: int, args, sizes) -> dict:
+async def _transport_client(kind: str, port: int, args, sizes, cpu) -> dict:
     conn = await _transport(kind, args.ucx_progress_mode).connect(f"127.0.0.1:{port}")
 
     async def send(payload: memoryview) -> None:
@@ -178,8 +217,7 @@ async def _transport_client(kind: str, port: int, args, sizes) -> dict:
     if kind.startswith("tcp+cap"):
         send = _secured_send(conn, kind.rpartition("+")[2])
     try:
-        return await _measure(send, sizes, args.bytes_per_rep_mib * MiB, args.reps,
-                              args.rtt_iters)
+        return await _measure(send, sizes, args, cpu)
     finally:
         await conn.close()
 
@@ -187,33 +225,34 @@ async def _transport_client(kind: str, port: int, args, sizes) -> dict:
 def _secured_send(conn, mac_kind: str):
     """A send that signs a capability per request and, for mac_kind "mac" or "hmac", MACs
     each block (pipelined: the next block's MAC runs in a worker thread during this send)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from pdserve.connector.kvstore.auth import sign_capability
     from pdserve.connector.kvstore.node_protocol import WRITE, NodeOp
 
     loop = asyncio.get_running_loop()
-    mac = {"mac": _codec_mac, "hmac": _hmac_sha256}.get(mac_kind)
+    mac = {"mac": _codec_mac(), "hmac": _hmac_sha256}.get(mac_kind)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="bench-mac")
     pending = []  # the MAC of the block to send next, computed while this one is sent
 
     async def send(payload: memoryview) -> None:
-        if mac is not None and len(payload) < _INLINE_MAC_BYTES:
-            mac(payload)  # a thread hop would cost more than the MAC
-        elif mac is not None:
+        if mac is not None:
             if pending:
                 await pending.pop()
             else:
                 mac(payload)
-            pending.append(loop.run_in_executor(None, mac, payload))
+            pending.append(loop.run_in_executor(pool, mac, payload))
         cap = sign_capability(_GRANT_KEY, WRITE, "bench", 0, len(payload), time.time() + 60)
         await conn.request(NodeOp(WRITE, 0, len(payload), cap).encode(), payload)
     return send
 
 
-def _codec_mac(payload: memoryview) -> bytes:
+def _codec_mac():
     """The block header the producer writes: its Poly1305 MAC over header and payload."""
     from pdserve.connector.codec import BlockCodec
 
     codec = BlockCodec("0f" * 32, 1, 1, 1, 1, mac_key=_MAC_KEY)  # geometry is not checked here
-    return codec.header(b"k" * 32, payload)
+    return lambda payload: codec.header(b"k" * 32, payload)
 
 
 def _hmac_sha256(payload: memoryview) -> bytes:
@@ -234,8 +273,9 @@ def _run_one(kind: str, args, sizes) -> dict:
             raise RuntimeError(f"{kind} bench server did not start")
         port = parent.recv()
         client = _raw_client if kind == "socket" else (
-            lambda p, a, s: _transport_client(kind, p, a, s))
-        return asyncio.run(client(port, args, sizes))
+            lambda *a: _transport_client(kind, *a))
+        pids = (os.getpid(), proc.pid)
+        return asyncio.run(client(port, args, sizes, lambda: _cpu_seconds(pids)))
     finally:
         proc.terminate()
         proc.join(10)
@@ -245,21 +285,37 @@ def _run_one(kind: str, args, sizes) -> dict:
 
 def _summary(results: dict, sizes) -> dict:
     base = results.get("socket")
-    ratios = {}
+    ratios, cpu_ratios = {}, {}
     if base:
         for kind, res in results.items():
             if kind != "socket":
-                ratios[kind] = {s // MiB: res["gbps"][s] / base["gbps"][s] for s in sizes}
-    big = [r for per in ratios.values() for s, r in per.items() if s >= 1]
+                ratios[kind] = {_label(s): res["gbps"][s] / base["gbps"][s] for s in sizes}
+                cpu_ratios[kind] = {_label(s): res["cpu_us_per_mib"][s]
+                                    / max(base["cpu_us_per_mib"][s], 1e-9) for s in sizes}
+    big = [r for per in ratios.values() for r in per.values()]
+
+    def per_size(field: str, digits: int) -> dict:
+        return {k: {_label(s): round(v[field][s], digits) for s in sizes}
+                for k, v in results.items()}
+
     return {
         "bench": "transport",
         "cpu": _cpu(),
-        "gbps": {k: {s // MiB: round(v["gbps"][s], 3) for s in sizes} for k, v in results.items()},
+        "gbps": per_size("gbps", 3),
+        "cpu_us_per_mib": per_size("cpu_us_per_mib", 1),
         "rtt_us": {k: round(v["rtt_us"], 1) for k, v in results.items()},
         "ratio_vs_socket": {k: {s: round(r, 3) for s, r in v.items()} for k, v in ratios.items()},
+        "cpu_ratio_vs_socket": {k: {s: round(r, 3) for s, r in v.items()}
+                                for k, v in cpu_ratios.items()},
         "min_ratio_by_transport": {k: round(min(v.values()), 3) for k, v in ratios.items()},
         "min_ratio_vs_socket": round(min(big), 3) if big else None,
     }
+
+
+def _label(size: int) -> str:
+    """A size as the report names it: MiB, to 3 decimals where it is not whole."""
+    mib = size / MiB
+    return str(int(mib)) if mib == int(mib) else f"{mib:.3f}"
 
 
 def _cpu() -> str:
@@ -277,14 +333,20 @@ def _print_table(summary: dict, sizes) -> None:
     kinds = list(summary["gbps"])
     print(f"{'payload':>10} " + " ".join(f"{k + ' GB/s':>11}" for k in kinds)
           + "".join(f" {k + '/socket':>12}" for k in summary["ratio_vs_socket"]))
-    for s in sizes:
-        mib = s // MiB
-        row = f"{str(mib) + ' MiB':>10} " + " ".join(
-            f"{summary['gbps'][k][mib]:>11.3f}" for k in kinds)
-        row += "".join(f" {v[mib]:>12.2f}" for v in summary["ratio_vs_socket"].values())
-        print(row)
+    _print_rows(summary["gbps"], summary["ratio_vs_socket"], sizes, 3)
     print(f"{'rtt (us)':>10} " + " ".join(f"{summary['rtt_us'][k]:>11.1f}" for k in kinds))
+    print("CPU us per MiB (client + server), and its ratio to the socket's:")
+    _print_rows(summary["cpu_us_per_mib"], summary["cpu_ratio_vs_socket"], sizes, 1)
     print(f"cpu: {summary['cpu']}")
+
+
+def _print_rows(values: dict, ratios: dict, sizes, digits: int) -> None:
+    """One row per size: each contender's value, then each ratio to the socket."""
+    for s in sizes:
+        mib = _label(s)
+        row = f"{mib + ' MiB':>10} " + " ".join(f"{v[mib]:>11.{digits}f}"
+                                                  for v in values.values())
+        print(row + "".join(f" {v[mib]:>12.2f}" for v in ratios.values()))
 
 
 def main(argv=None) -> int:
@@ -298,7 +360,10 @@ def _run(args: argparse.Namespace) -> int:
         torch.set_num_threads(1)  # nothing here computes; keep torch off the shared cores
     except ImportError:
         pass
-    sizes = [int(x) * MiB for x in args.sizes_mib.split(",")]
+    sizes = sorted({round(float(x) * MiB) for x in args.sizes_mib.split(",") if x}
+                   | {int(x) for x in args.sizes_bytes.split(",") if x})
+    if not sizes or min(sizes) < 1:
+        raise ValueError("every payload size must be at least one byte")
     kinds = [k for k in args.transports.split(",") if k]
     unknown = set(kinds) - set(CONTENDERS)
     if unknown:

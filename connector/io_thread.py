@@ -3,6 +3,11 @@
 Lifecycle: `IOThread()` starts the thread and its loop; `submit(coro)` schedules a coroutine
 from any thread and returns a concurrent future; `close()` cancels what is pending, stops the
 loop and joins the thread. The engine thread never awaits: it submits and later polls results.
+
+`offload(fn, *args)` (from a coroutine on the loop) runs a CPU-bound call that releases the GIL
+(a block's MAC, connector/poly1305.py) on one worker thread, so the loop keeps moving other
+blocks' bytes meanwhile: the MAC of one block overlaps the send of the one before it. One
+worker: calls run in submission order, and never more than one core goes to them.
 """
 
 from __future__ import annotations
@@ -10,11 +15,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 
 class IOThread:
     def __init__(self, name: str = "kv-connector-io"):
         self.loop = asyncio.new_event_loop()
+        self._cpu = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name + "-cpu")
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -25,11 +34,16 @@ class IOThread:
     def submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    async def offload(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on the worker thread (await it from a coroutine on this loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
     def run(self, coro, timeout: float):
         """Run a coroutine on the loop and wait for it (for short metadata calls)."""
         return self.submit(coro).result(timeout)
 
     def close(self) -> None:
+        self._cpu.shutdown(wait=False, cancel_futures=True)
         if not self._thread.is_alive():
             return
 

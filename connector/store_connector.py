@@ -7,9 +7,11 @@ Producer (prefill): before the forward, `begin_step` lists the blocks that becom
 step and allocates one staging buffer for them (codec layout, header space included);
 `save_layer` copies each layer's slice of those blocks into it right after the layer ran, so
 the copy overlaps the forward; `end_step` hands the buffer to the I/O thread, which writes the
-headers and puts the objects while the engine computes on. The request's blocks stay allocated
-(`request_finished` -> True) until its puts are done. A failed put only costs a later reader a
-recomputation.
+headers and puts the objects while the engine computes on. Each header's MAC is computed on
+the I/O thread's worker (IOThread.offload; it releases the GIL), so one block's MAC overlaps
+the send of the block before it and never stalls the engine thread. The request's blocks
+stay allocated (`request_finished` -> True) until its puts are done. A failed put only costs
+a later reader a recomputation.
 
 Consumer (decode): `get_num_new_matched_tokens` asks the store how many of the request's next
 blocks exist (a prefix lookup; a caller's hint in request.kv_transfer.block_keys saves it).
@@ -17,9 +19,9 @@ The lookup runs on the I/O thread: the first call starts it and answers None ("a
 step"), so a slow or blackholed master never stalls the engine thread; the store client's
 lookup deadline ends it, and a failed lookup answers 0 (recompute).
 `update_state_after_alloc` starts fetching them into the allocated blocks. Each fetched block is
-validated by the codec before it is written to the cache; the load stops at the first missing,
-unreadable, corrupted or late block, and reports the blocks before it as loaded, so the engine
-recomputes from there.
+validated by the codec (its MAC checked on the I/O worker) before it is written to the
+cache; the load stops at the first missing, unreadable, corrupted or late block, and reports
+the blocks before it as loaded, so the engine recomputes from there.
 
 Reuse (ConnectorConfig.reuse, on by default; docs/kv-reuse.md): a producer is a consumer too,
 so a prefill instance loads the stored prefix of a prompt (a shared system prompt, a
@@ -232,11 +234,8 @@ class StoreKVConnector(KVConnector):
                 self._note_failure("preempted:" + type(exc).__name__)
                 have = len(keys)
             whole = memoryview(buf)
-            items = []
-            for j in range(have, len(keys)):
-                view = whole[j * size:(j + 1) * size]
-                view[:HEADER_SIZE] = self.codec.header(keys[j], view[HEADER_SIZE:])
-                items.append(("", keys[j], view))
+            items = [("", keys[j], whole[j * size:(j + 1) * size])
+                     for j in range(have, len(keys))]
             await self._put_many(items, [])
         finally:
             with self._lock:
@@ -337,11 +336,8 @@ class StoreKVConnector(KVConnector):
     async def _save(self, staged, buf: bytearray) -> None:
         size = self.codec.nbytes
         whole = memoryview(buf)
-        items = []
-        for j, (rid, key, _) in enumerate(staged):
-            view = whole[j * size:(j + 1) * size]
-            view[:HEADER_SIZE] = self.codec.header(key, view[HEADER_SIZE:])
-            items.append((rid, key, view))
+        items = [(rid, key, whole[j * size:(j + 1) * size])
+                 for j, (rid, key, _) in enumerate(staged)]
         await self._put_many(items, [rid for rid, _, _ in items])  # one count per block
 
     async def _backfill(self, rid: str, keys: list[bytes], block_ids: list[int],
@@ -370,8 +366,8 @@ class StoreKVConnector(KVConnector):
             try:
                 for key, block_id in todo:
                     block = self.heads.read_block(block_id)
-                    items.append((rid, key, self.codec.encode_into(
-                        key, block, bytearray(self.codec.nbytes))))
+                    items.append((rid, key, self.codec.write_payload(
+                        block, bytearray(self.codec.nbytes))))
             except Exception as exc:  # noqa: BLE001 - save what was encoded; never leak
                 self._note_failure("backfill:" + type(exc).__name__)
             await self._put_many(items, [rid])  # one count for the whole backfill
@@ -380,13 +376,16 @@ class StoreKVConnector(KVConnector):
                 self._budget_used -= reserved
 
     async def _put_many(self, items, done: list[str]) -> None:
-        """Put (request id, key, encoded view) items, then mark `done` (one entry per count
-        taken in _saving) finished."""
+        """Put (request id, key, staged view) items, then mark `done` (one entry per count
+        taken in _saving) finished. A staged view holds its payload; its header (and MAC) is
+        written here, on the I/O worker thread, while the loop sends the blocks before it."""
         t0 = time.perf_counter()
 
         async def put(key: bytes, view: memoryview) -> bool:
             async with self._semaphore():
                 try:
+                    view[:HEADER_SIZE] = await self.io.offload(self.codec.header, key,
+                                                               view[HEADER_SIZE:])
                     status = await self.store.put(key, view, self.config.lease_s)
                 except Exception as exc:
                     self._note_failure("save:" + type(exc).__name__)
@@ -416,11 +415,13 @@ class StoreKVConnector(KVConnector):
             results = await asyncio.wait_for(fetch, self.config.load_timeout_s)
         except Exception as exc:  # noqa: BLE001 - timeout or an unreachable store: recompute
             results = [exc] * len(keys)
-        loaded = 0
-        for key, block_id, buf, got in zip(keys, block_ids, bufs, results):
-            if not self._install(key, block_id, buf, got):
-                break
-            loaded += 1
+        # The MACs are checked on the I/O worker: the loop keeps moving other transfers.
+        blocks, why = await self.io.offload(self._verify, keys, bufs, results)
+        for block_id, block in zip(block_ids, blocks):
+            self.heads.write_block(block_id, block)
+        if why is not None:
+            self._note_failure(why)
+        loaded = len(blocks)
         self.stats.blocks_loaded += loaded
         self.stats.bytes_loaded += loaded * self.codec.nbytes
         self.stats.load_seconds += time.perf_counter() - t0
@@ -431,19 +432,19 @@ class StoreKVConnector(KVConnector):
                 self.stats.load_failures += 1
                 self._failed[rid] = loaded * self.codec.block_size
 
-    def _install(self, key: bytes, block_id: int, buf: bytearray, got) -> bool:
-        """Validate one fetched block and write it into every layer's cache."""
-        if isinstance(got, BaseException) or got is None:
-            self._note_failure("miss" if got is None else type(got).__name__)
-            return False
-        try:
-            block = self.codec.decode(key, memoryview(buf)[:got])  # [L, 2, bs, kvh, d]
-        except BlockCodecError as exc:
-            self._note_failure("codec")
-            log.warning("%s", exc)
-            return False
-        self.heads.write_block(block_id, block)
-        return True
+    def _verify(self, keys, bufs, results) -> tuple[list[torch.Tensor], Optional[str]]:
+        """The leading fetched blocks that decode (MAC checked), each [L, 2, bs, kvh, d],
+        and why the one after them did not (None when all did)."""
+        blocks = []
+        for key, buf, got in zip(keys, bufs, results):
+            if isinstance(got, BaseException) or got is None:
+                return blocks, "miss" if got is None else type(got).__name__
+            try:
+                blocks.append(self.codec.decode(key, memoryview(buf)[:got]))
+            except BlockCodecError as exc:
+                log.warning("%s", exc)
+                return blocks, "codec"
+        return blocks, None
 
     def _note_failure(self, reason: str) -> None:
         self.stats.failure_reasons[reason] = self.stats.failure_reasons.get(reason, 0) + 1

@@ -1,0 +1,44 @@
+"""The connector's save path computes each block's MAC (BlockCodec.header) on the I/O
+thread's worker, not on the loop that sends the blocks, and what it stores verifies."""
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.connector.codec import BlockCodec
+from pdserve.connector.store import InMemoryBlockStore
+from pdserve.connector.store_connector import ConnectorConfig, StoreKVConnector
+
+
+@dataclass(frozen=True)
+class _Recording(BlockCodec):
+    threads: list = field(default_factory=list, compare=False, repr=False)
+
+    def header(self, key, payload):
+        self.threads.append(threading.current_thread().name)
+        return super().header(key, payload)
+
+
+def test_save_macs_on_the_io_worker_and_the_blocks_verify():
+    codec = _Recording("0f" * 32, 2, 4, 2, 8)
+    store = InMemoryBlockStore()
+    conn = StoreKVConnector(store, codec, ConnectorConfig(role="producer"))
+    keys = [bytes([i]) * 32 for i in range(3)]
+    blocks = [torch.randn(codec.payload_shape) for _ in keys]
+    buf = bytearray(len(keys) * codec.nbytes)
+    for j, block in enumerate(blocks):  # staged as save_layer leaves them: payloads only
+        codec.write_payload(block, memoryview(buf)[j * codec.nbytes:])
+    try:
+        with conn._lock:
+            for _ in keys:
+                conn._save_started("r")
+        conn.io.run(conn._save([("r", k, 0) for k in keys], buf), timeout=30)
+        assert conn.get_finished()[0] == {"r"}
+        assert len(codec.threads) == len(keys)
+        assert all(name.startswith("kv-connector-io-cpu") for name in codec.threads)
+        for key, block in zip(keys, blocks):
+            got = codec.decode(key, memoryview(bytearray(store.objects[key])))
+            assert torch.equal(got, block)
+    finally:
+        conn.close()
