@@ -175,7 +175,8 @@ def _chaos_run(cfg: ServeConfig, requests, summary: dict, records) -> dict:
         kills = chaos.stop()
     print(format_table(csum, f"== {cfg.target.name} with a kill every "
                              f"{cfg.chaos.every_s:g}s ({len(kills)} kills)"), flush=True)
-    return {"kills": kills, "right_text_share": right_text_share(records, crecs),
+    return {"kills": kills, "skipped_ticks": chaos.skipped,
+            "right_text_share": right_text_share(records, crecs),
             "failed": csum["failed"], "goodput_rps": csum["goodput_rps"],
             "goodput_ratio_vs_no_faults": ratio(csum["goodput_rps"], summary["goodput_rps"]),
             "output_throughput_ratio_vs_no_faults": ratio(csum["output_throughput"],

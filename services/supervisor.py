@@ -9,6 +9,9 @@ started again after a backoff (`Backoff`: 0.5 s doubling to 10 s, back to 0.5 s 
 lasted 30 s), with the same command line, so it keeps its port and re-registers under the
 same address; the others keep serving meanwhile. Each transition is printed. Nothing here
 stops a process: the launcher does that, in reverse start order, once `watch` returns.
+`<log dir>/services.json` (name -> pid of every started service) and `services_ready.json`
+(the names that are ready now) are rewritten on every transition, for tools that inject
+faults (bench/chaos.py).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class Backoff:
 class _Watched:
     step: Step
     backoff: Backoff
-    state: str = "ready"  # ready | waiting (to restart) | restarting (until ready)
+    state: str = "starting"  # starting | ready | waiting (to restart) | restarting
     started_at: float = 0.0
     due: float = 0.0  # when a waiting service starts again
     restarts: int = 0
@@ -76,7 +79,8 @@ class Supervisor:
             self.started.append(step.child)
             self._write_pids()
             wait_until(step.ready, step.child, self._startup_timeout_s, stop)
-            w.started_at = time.monotonic()
+            w.state, w.started_at = "ready", time.monotonic()
+            self._write_pids()
             self._say(f"  {step.child.name:<12} ready in {w.started_at - t0:.1f}s"
                       f"{_extra(step)}")
 
@@ -91,6 +95,7 @@ class Supervisor:
         if w.state in ("ready", "restarting") and not child.alive:
             delay = w.backoff.after_run(now - w.started_at)
             w.state, w.due = "waiting", now + delay
+            self._write_pids()
             self._say(f"  {child.name:<12} exited (code {child.proc.returncode}); restarting "
                       f"in {delay:.1f}s")
         elif w.state == "waiting" and now >= w.due:
@@ -101,20 +106,27 @@ class Supervisor:
             self._say(f"  {child.name:<12} restarting (restart {w.restarts})")
         elif w.state == "restarting" and w.step.ready():
             w.state = "ready"
+            self._write_pids()
             self._say(f"  {child.name:<12} ready again after {now - w.started_at:.1f}s"
                       f"{_extra(w.step)}")
 
     def _write_pids(self) -> None:
         if not self.started:
             return
-        path = self.started[0].log_path.parent / "services.json"
+        folder = self.started[0].log_path.parent
         pids = {c.name: c.proc.pid for c in self.started if c.proc is not None}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(pids))
-        tmp.replace(path)  # readers never see half a file
+        ready = sorted(w.step.child.name for w in self._watched if w.state == "ready")
+        _write_json(folder / "services.json", pids)
+        _write_json(folder / "services_ready.json", ready)
 
     def restarts(self, name: str) -> int:
         return next(w.restarts for w in self._watched if w.step.child.name == name)
+
+
+def _write_json(path, value) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)  # readers never see half a file
 
 
 def _extra(step: Step) -> str:

@@ -100,6 +100,7 @@ class LinkProxy:
 class FaultStack:
     http_url: str
     master: str  # the KV store master's address
+    prefill: str  # the prefill instance's address (the router reaches it directly)
     log_dir: Path
     children: dict[str, Child] = field(default_factory=dict)
     ready: dict[str, Callable[[], bool]] = field(default_factory=dict)
@@ -117,11 +118,16 @@ class FaultStack:
             child.start()
         wait_until(self.ready[name], child, timeout_s, threading.Event())
 
-    def _start(self, name: str, argv: list[str], ready: Callable[[], bool]) -> None:
+    def _start(self, name: str, argv: list[str], ready: Callable[[], bool],
+               wait: bool = True) -> None:
         child = Child(name, argv, self.log_dir)
         child.start()
         self.children[name], self.ready[name] = child, ready
-        wait_until(ready, child, 120, threading.Event())
+        if wait:
+            self._wait(name)
+
+    def _wait(self, name: str) -> None:
+        wait_until(self.ready[name], self.children[name], 120, threading.Event())
 
     def stop_all(self) -> None:
         for child in reversed(list(self.children.values())):
@@ -140,7 +146,7 @@ def _ports(n: int) -> list[int]:
 def fault_stack(log_dir: Path, router_args=(), engine_args=TINY_ENGINE_ARGS):
     log_dir.mkdir(parents=True, exist_ok=True)
     rp, mp, hp, gp, pp, d0, d1 = _ports(7)
-    stack = FaultStack(f"http://{HOST}:{hp}", f"{HOST}:{mp}", log_dir)
+    stack = FaultStack(f"http://{HOST}:{hp}", f"{HOST}:{mp}", f"{HOST}:{pp}", log_dir)
     master = stack.master
     try:
         redis_dir = log_dir / "redis"
@@ -163,11 +169,13 @@ def fault_stack(log_dir: Path, router_args=(), engine_args=TINY_ENGINE_ARGS):
             if role == "decode":
                 argv += ["--role", "decode"]
                 stack.proxies[name] = LinkProxy(addr)
-            stack._start(name, argv, lambda a=addr, r=role: engine_serving(a, r))
+            stack._start(name, argv, lambda a=addr, r=role: engine_serving(a, r), wait=False)
+        for name, _, _ in engines:  # they boot together: startup is mostly imports and loading
+            stack._wait(name)
         backends = ",".join(stack.proxies[n].address for n in ("decode0", "decode1"))
         stack._start("router", SERVE + [
             "router", "--model", "tiny", "--backends", backends, "--prefill-backends",
-            f"{HOST}:{pp}", "--kv-store", master, "--port", str(hp), "--grpc-port", str(gp),
+            stack.prefill, "--kv-store", master, "--port", str(hp), "--grpc-port", str(gp),
             "--health-interval", "0.3", *router_args],
             lambda: http_ok(f"{stack.http_url}/health"))
         yield stack

@@ -16,7 +16,7 @@ def test_kills_only_the_kinds_asked_for(tmp_path):
     path = tmp_path / "services.json"
     path.write_text(json.dumps({n: p.pid for n, p in victims.items()}))
     try:
-        chaos = Chaos(ChaosConfig(str(path), 0.05, ("decode",))).start()
+        chaos = Chaos(ChaosConfig(str(path), 0.05, ("decode",), keep_one_ready=False)).start()
         deadline = time.monotonic() + 10
         while victims["decode0"].poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -27,6 +27,19 @@ def test_kills_only_the_kinds_asked_for(tmp_path):
         for p in victims.values():
             p.kill()
             p.wait()
+
+
+def test_never_a_restarting_one_nor_the_last_ready_of_its_kind(tmp_path):
+    names = ["decode0", "decode1", "decode2", "prefill0"]
+    (tmp_path / "services.json").write_text(json.dumps({n: 1 for n in names}))
+    chaos = Chaos(ChaosConfig(str(tmp_path / "services.json"), 30.0, ("decode", "prefill")))
+    ready = tmp_path / "services_ready.json"
+    ready.write_text(json.dumps(names))  # prefill0 is its kind's only one
+    assert chaos._victims(names) == ["decode0", "decode1", "decode2"]
+    ready.write_text(json.dumps(["decode0", "decode2", "prefill0"]))  # decode1 restarting
+    assert chaos._victims(names) == ["decode0", "decode2"]
+    ready.write_text(json.dumps(["decode2", "prefill0"]))  # the last ready decode stays
+    assert chaos._victims(names) == []
 
 
 def _rec(i, text, error=None):

@@ -1,6 +1,7 @@
 """The launcher's supervisor with stand-in services: each is started and reported ready in
 order; one that is SIGKILLed is restarted after its backoff while the other keeps running;
-backoff doubles and resets after a long run; services.json follows the pids."""
+backoff doubles and resets after a long run; services.json follows the pids and
+services_ready.json the services that are ready."""
 
 import io
 import json
@@ -27,8 +28,10 @@ def test_backoff_doubles_caps_and_resets():
 
 
 def test_a_killed_service_is_restarted_and_the_other_keeps_running(tmp_path):
-    steps = [Step(Child(n, SLEEPER, tmp_path), lambda: True, lambda: "budget line")
-             for n in ("alpha", "beta")]
+    alpha_ready = threading.Event()
+    alpha_ready.set()
+    steps = [Step(Child(n, SLEEPER, tmp_path), ready, lambda: "budget line")
+             for n, ready in (("alpha", alpha_ready.is_set), ("beta", lambda: True))]
     out = io.StringIO()
     sup = Supervisor(steps, out=out, backoff=Backoff(0.1, 1.0, 30.0))
     stop = threading.Event()
@@ -36,13 +39,17 @@ def test_a_killed_service_is_restarted_and_the_other_keeps_running(tmp_path):
         sup.start_all(stop)
         pids = json.loads((tmp_path / "services.json").read_text())
         assert pids == {"alpha": steps[0].child.proc.pid, "beta": steps[1].child.proc.pid}
+        assert _ready(tmp_path) == ["alpha", "beta"]
         watcher = threading.Thread(target=sup.watch, args=(stop, 0.02))
         watcher.start()
         beta = steps[1].child.proc.pid
+        alpha_ready.clear()
         os.kill(steps[0].child.proc.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 20
-        while "alpha        ready again" not in out.getvalue() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _wait_for(out, "alpha        restarting (restart 1)")
+        assert _ready(tmp_path) == ["beta"]  # alpha is not serving until its check passes
+        alpha_ready.set()
+        _wait_for(out, "alpha        ready again")
+        assert _ready(tmp_path) == ["alpha", "beta"]
         stop.set()
         watcher.join(10)
         text = out.getvalue()
@@ -55,3 +62,14 @@ def test_a_killed_service_is_restarted_and_the_other_keeps_running(tmp_path):
     finally:
         for s in steps:
             s.child.stop(5)
+
+
+def _ready(folder) -> list:
+    return json.loads((folder / "services_ready.json").read_text())
+
+
+def _wait_for(out: io.StringIO, line: str) -> None:
+    deadline = time.monotonic() + 20
+    while line not in out.getvalue():
+        assert time.monotonic() < deadline, f"never printed {line!r}: {out.getvalue()}"
+        time.sleep(0.02)
