@@ -27,15 +27,18 @@ for _ in $(seq 600); do grep -q "^ready" "$OUT/up.log" && break; sleep 0.5; done
 grep -q "^ready" "$OUT/up.log" || { cat "$OUT/up.log"; exit 1; }
 grep -E "memory budget|KV cache" "$OUT/up.log" || true
 ENGINE=$(grep -E "^  (unified|decode) " "$OUT/up.log" | head -1 | awk '{print $2}')
+ROUTER_PID=$(pgrep -f "serve router .*--port $PORT " | head -1 || true)
 W=(--workload random --num-prompts 64 --input-len 256 --output-len 128 --seed 0 --no-progress
    --base-url "http://127.0.0.1:$PORT")
 $PDS bench serve "${W[@]}" --num-prompts 4 --rate inf --out-dir "$OUT/warm" > /dev/null
 for T in 1.0 0.0; do
   for RATE in 2 inf; do
     if [ "$T" = 1.0 ] && [ "$RATE" = inf ]; then
-      # after the prompts' prefill (all 64 arrive at once): a decode-heavy window
-      (sleep "${PROFILE_DELAY:-30}"; $PY -m pdserve.bench.serve_profile --engine "$ENGINE" \
-        --duration "${PROFILE_S:-30}") > "$OUT/profile.txt" 2>&1 &
+      # after the client's start and the prompts' prefill (all arrive at once): a
+      # decode-heavy window; the router's CPU per generated token beside the engine's steps
+      $PY -m pdserve.bench.serve_profile --engine "$ENGINE" --delay "${PROFILE_DELAY:-45}" \
+        --duration "${PROFILE_S:-30}" ${ROUTER_PID:+--router-pid "$ROUTER_PID"} \
+        > "$OUT/profile.txt" 2>&1 &
       PROF=$!
     fi
     $PDS bench serve "${W[@]}" --rate "$RATE" --temperature "$T" \
@@ -51,5 +54,5 @@ for T in 0.0 1.0; do
     --output-len 128 --num-threads 2 --skip-hf --repeats 1 --temperature "$T" | tail -1 \
     | sed "s/^/offline t=$T /"
 done
-$PY -m pdserve.bench.offline_step --batch 4 8 16 32 64 --num-threads 2 | tail -1 \
+$PY -m pdserve.bench.offline_step --weights fp32 --batch 2 4 8 16 32 64 --num-threads 2 | tail -1 \
   | sed "s/^/offline decode step /"

@@ -1,11 +1,15 @@
 """The served path's step breakdown: where an engine's decode step time went over a window.
 
-    python -m pdserve.bench.serve_profile --engine HOST:PORT [--tls-dir DIR] --duration 60
+    python -m pdserve.bench.serve_profile --engine HOST:PORT [--tls-dir DIR] --duration 60 \
+        [--delay S] [--router-pid PID]
 
 reads the engine's cumulative StepProfile (GetLoad) before and after the window (run a load,
 e.g. `pdserve bench serve`, against the stack meanwhile), and prints per-step milliseconds of
-each phase (common/engine/step_profile.py), then one JSON line. `delta_breakdown` is the pure
-arithmetic, shared with tests.
+each phase (common/engine/step_profile.py), the CPU time per step of the engine thread, of the
+service's event loop thread and of the whole engine process (what competes with torch's
+threads for the cores), and, with --router-pid (a router on this host), the router's CPU time
+per generated token; then one JSON line. `delta_breakdown` is the pure arithmetic, shared with
+tests.
 """
 
 from __future__ import annotations
@@ -18,12 +22,16 @@ from dataclasses import dataclass
 from pdserve.common.engine.step_profile import PHASES
 
 
+CPU_FIELDS = ("step_cpu", "loop_cpu", "process_cpu")  # StepProfile's *_cpu_ns (engine.proto)
+
+
 @dataclass(frozen=True)
 class Breakdown:
     num_steps: int
     num_sampled: int
     num_messages: int
     ms_per_step: dict  # phase -> milliseconds per step (engine thread phases + loop phases)
+    cpu_ms_per_step: dict  # CPU_FIELDS -> CPU milliseconds per step (0: an older engine)
 
     @property
     def step_ms(self) -> float:
@@ -38,8 +46,19 @@ def delta_breakdown(before: dict, after: dict) -> Breakdown:
     if steps <= 0:
         raise ValueError("no engine step ran in the window: was a load running?")
     ms = {p: (after[f"{p}_ns"] - before[f"{p}_ns"]) / steps / 1e6 for p in PHASES}
+    cpu = {c: (after.get(f"{c}_ns", 0) - before.get(f"{c}_ns", 0)) / steps / 1e6
+           for c in CPU_FIELDS}
     return Breakdown(steps, after["num_sampled"] - before["num_sampled"],
-                     after["num_messages"] - before["num_messages"], ms)
+                     after["num_messages"] - before["num_messages"], ms, cpu)
+
+
+def process_cpu_s(pid: int) -> float:
+    """A local process's CPU time (user + system), from /proc."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _snapshot(addr: str, tls_dir: str, role: str) -> dict:
@@ -55,6 +74,7 @@ def _snapshot(addr: str, tls_dir: str, role: str) -> dict:
         load = pb_grpc.DecodeServiceStub(ch).GetLoad(pb.LoadRequest(), timeout=5)
     got = MessageToDict(load.profile, preserving_proto_field_name=True)
     keys = [k for k in StepProfile().snapshot() if k != "last_step_tokens"]
+    keys += [f"{c}_ns" for c in CPU_FIELDS]
     return {k: int(got.get(k, 0)) for k in keys}
 
 
@@ -65,20 +85,45 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-role", default="decode", choices=["decode", "prefill"],
                     help="whose certificate name to check under TLS")
     ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--delay", type=float, default=0.0,
+                    help="seconds to wait before the window opens (e.g. past the prefill)")
+    ap.add_argument("--router-pid", type=int, default=0,
+                    help="a local router's process id: also its CPU per generated token")
     args = ap.parse_args(argv)
+    time.sleep(args.delay)
     before = _snapshot(args.engine, args.tls_dir, args.engine_role)
+    router0 = process_cpu_s(args.router_pid) if args.router_pid else 0.0
+    t0 = time.monotonic()
     time.sleep(args.duration)
     b = delta_breakdown(before, _snapshot(args.engine, args.tls_dir, args.engine_role))
+    wall = time.monotonic() - t0
+    extra = {"window_s": round(wall, 3),
+             "process_cores": round(b.cpu_ms_per_step["process_cpu"] * b.num_steps / 1e3
+                                    / wall, 3)}
+    if args.router_pid:
+        router_s = process_cpu_s(args.router_pid) - router0
+        extra["router_cpu_ms_per_token"] = round(router_s * 1e3 / max(1, b.num_sampled), 4)
+    _print(b, extra)
+    return 0
+
+
+def _print(b: Breakdown, extra: dict) -> None:
     print(f"{b.num_steps} steps, {b.num_sampled} tokens sampled, {b.num_messages} messages")
     for p in PHASES:
         print(f"  {p:<9} {b.ms_per_step[p]:8.3f} ms/step")
     print(f"  engine thread {b.step_ms:.3f} ms/step; messages/token "
           f"{b.num_messages / max(1, b.num_sampled):.2f}")
+    cpu = b.cpu_ms_per_step
+    print(f"  CPU ms/step: engine thread {cpu['step_cpu']:.3f}, event loop "
+          f"{cpu['loop_cpu']:.3f}, whole process {cpu['process_cpu']:.3f} "
+          f"({extra['process_cores']:.2f} cores)")
+    if "router_cpu_ms_per_token" in extra:
+        print(f"  router CPU {extra['router_cpu_ms_per_token']:.3f} ms per generated token")
     print(json.dumps({"bench": "serve_profile", "steps": b.num_steps,
                       "sampled": b.num_sampled, "messages": b.num_messages,
                       "engine_step_ms": round(b.step_ms, 3),
-                      **{f"{p}_ms": round(v, 3) for p, v in b.ms_per_step.items()}}))
-    return 0
+                      **{f"{p}_ms": round(v, 3) for p, v in b.ms_per_step.items()},
+                      **{f"{c}_ms": round(v, 3) for c, v in cpu.items()}, **extra}))
 
 
 if __name__ == "__main__":

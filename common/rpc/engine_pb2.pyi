@@ -265,7 +265,7 @@ class LoadResponse(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_waiting_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_kv_load_failures: _Optional[int] = ..., kv: _Optional[_Union[KVTransferStats, _Mapping]] = ..., num_step_failures: _Optional[int] = ..., profile: _Optional[_Union[StepProfile, _Mapping]] = ...) -> None: ...
 
 class StepProfile(_message.Message):
-    __slots__ = ("num_steps", "num_tokens", "num_sampled", "num_messages", "schedule_ns", "forward_ns", "sample_ns", "update_ns", "publish_ns", "handoff_ns", "deliver_ns", "send_ns")
+    __slots__ = ("num_steps", "num_tokens", "num_sampled", "num_messages", "schedule_ns", "forward_ns", "sample_ns", "update_ns", "publish_ns", "handoff_ns", "deliver_ns", "send_ns", "step_cpu_ns", "loop_cpu_ns", "process_cpu_ns")
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLED_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +278,9 @@ class StepProfile(_message.Message):
     HANDOFF_NS_FIELD_NUMBER: _ClassVar[int]
     DELIVER_NS_FIELD_NUMBER: _ClassVar[int]
     SEND_NS_FIELD_NUMBER: _ClassVar[int]
+    STEP_CPU_NS_FIELD_NUMBER: _ClassVar[int]
+    LOOP_CPU_NS_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_CPU_NS_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
     num_tokens: int
     num_sampled: int
@@ -290,7 +293,10 @@ class StepProfile(_message.Message):
     handoff_ns: int
     deliver_ns: int
     send_ns: int
-    def __init__(self, num_steps: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_sampled: _Optional[int] = ..., num_messages: _Optional[int] = ..., schedule_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., update_ns: _Optional[int] = ..., publish_ns: _Optional[int] = ..., handoff_ns: _Optional[int] = ..., deliver_ns: _Optional[int] = ..., send_ns: _Optional[int] = ...) -> None: ...
+    step_cpu_ns: int
+    loop_cpu_ns: int
+    process_cpu_ns: int
+    def __init__(self, num_steps: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_sampled: _Optional[int] = ..., num_messages: _Optional[int] = ..., schedule_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., update_ns: _Optional[int] = ..., publish_ns: _Optional[int] = ..., handoff_ns: _Optional[int] = ..., deliver_ns: _Optional[int] = ..., send_ns: _Optional[int] = ..., step_cpu_ns: _Optional[int] = ..., loop_cpu_ns: _Optional[int] = ..., process_cpu_ns: _Optional[int] = ...) -> None: ...
 
 class KVTransferStats(_message.Message):
     __slots__ = ("blocks_saved", "blocks_loaded", "bytes_saved", "bytes_loaded", "save_failures", "load_failures", "lookup_failures", "save_seconds", "load_seconds", "failure_reasons")

@@ -86,6 +86,9 @@ class AsyncEngine:
         self.warmed_up = False  # the engine thread's core.warm_up() finished: SERVING from then
         self._warm_done = asyncio.Event()  # set on the loop once warm-up ended (or failed)
         self.busy = False  # requests or KV saves still open (engine thread writes)
+        # CPU time of the engine thread inside its steps (ns): beside the steps' wall time it
+        # says how long the thread waited (for the GIL, for torch's other threads, for a core)
+        self.step_cpu_ns = 0
 
     # --- event loop side ---
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -179,7 +182,7 @@ class AsyncEngine:
                     if self._budget is not None:
                         self._set_budget()
                     steps = self.profile.num_steps
-                    t0 = time.time_ns()
+                    t0, c0 = time.time_ns(), time.thread_time_ns()
                     try:
                         outputs = self.core.step()
                     except EngineFatalError:
@@ -188,6 +191,7 @@ class AsyncEngine:
                         self._step_failed(exc)
                         continue
                     t1 = time.time_ns()
+                    self.step_cpu_ns += time.thread_time_ns() - c0
                     if self._budget is not None and self.profile.num_steps != steps:
                         self._budget.observe(self.profile.last_step_tokens, (t1 - t0) * 1e-9)
                     self._timelines.observe(t0, t1)  # before publishing: see RequestTimeline

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from pdserve.common.rpc import engine_pb2 as pb
@@ -48,6 +49,10 @@ def load_response(engine: AsyncEngine) -> pb.LoadResponse:
     p = engine.profile.snapshot()
     del p["last_step_tokens"]
     load.profile.CopyFrom(pb.StepProfile(**p))
+    load.profile.step_cpu_ns = engine.step_cpu_ns
+    # GetLoad runs on the event loop thread: its own CPU clock is the loop's
+    load.profile.loop_cpu_ns = time.thread_time_ns()
+    load.profile.process_cpu_ns = time.process_time_ns()
     kv = engine.kv_stats()
     if kv is not None:
         load.kv.CopyFrom(kv_stats_to_proto(kv))

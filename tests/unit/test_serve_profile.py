@@ -26,3 +26,23 @@ def test_an_idle_window_is_refused():
     s = StepProfile().snapshot()
     with pytest.raises(ValueError, match="no engine step"):
         delta_breakdown(s, s)
+
+
+def test_cpu_fields_are_per_step_and_absent_ones_read_zero():
+    p = StepProfile()
+    before = dict(p.snapshot(), step_cpu_ns=0, loop_cpu_ns=5_000_000)
+    for _ in range(2):
+        p.add_step(8, 8, 0, 0, 10_000_000, 10_000_000, 10_000_000)
+    after = dict(p.snapshot(), step_cpu_ns=16_000_000, loop_cpu_ns=9_000_000)
+    b = delta_breakdown(before, after)  # process_cpu_ns missing: an older engine
+    assert b.cpu_ms_per_step == {"step_cpu": 8.0, "loop_cpu": 2.0, "process_cpu": 0.0}
+
+
+def test_process_cpu_reads_this_process():
+    import os
+    import time
+
+    from pdserve.bench.serve_profile import process_cpu_s
+
+    t = process_cpu_s(os.getpid())
+    assert t > 0 and abs(t - time.process_time()) < 0.5

@@ -6,6 +6,7 @@ DEADLINE_EXCEEDED, or an error event when tokens were already streamed."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from typing import AsyncIterator, Awaitable, Optional, TypeVar
 
@@ -27,11 +28,27 @@ def exceeded() -> APIError:
                     grpc_code=grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+async def await_until(work: Awaitable[T], deadline: float) -> T:
+    """`work`, awaited until time.monotonic() reaches `deadline`; asyncio.TimeoutError (and
+    `work` cancelled) past it. This runs once per streamed message: asyncio.wait_for (3.10,
+    3.11) wraps `work` in a new Task each call, asyncio.timeout_at only arms a timer."""
+    if sys.version_info < (3, 11):
+        return await asyncio.wait_for(work, max(0.0, deadline - time.monotonic()))
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout_at(loop.time() + (deadline - time.monotonic())):
+        return await work
+
+
+async def await_within(work: Awaitable[T], timeout_s: float) -> T:
+    """`work`, given `timeout_s` seconds (as `await_until`)."""
+    return await await_until(work, time.monotonic() + timeout_s)
+
+
 async def within(work: Awaitable[T], deadline: Optional[float]) -> T:
     if deadline is None:
         return await work
     try:
-        return await asyncio.wait_for(work, max(0.0, deadline - time.monotonic()))
+        return await await_until(work, deadline)
     except asyncio.TimeoutError:
         raise exceeded() from None
 
@@ -47,8 +64,7 @@ async def iterate_within(items: AsyncIterator[T], deadline: Optional[float]) -> 
                 return
         else:
             try:
-                item = await asyncio.wait_for(it.__anext__(),
-                                              max(0.0, deadline - time.monotonic()))
+                item = await await_until(it.__anext__(), deadline)
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:

@@ -21,6 +21,7 @@ from pdserve.common.engine.outputs import TokenLogprob
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.services.common.convert import FINISH_FROM_PROTO, logprob_from_proto
 from pdserve.services.router.routing.backend import Backend
+from pdserve.services.router.api.deadline import await_within
 from pdserve.services.router.api.errors import APIError, from_backend, unavailable
 
 
@@ -65,7 +66,7 @@ class EngineStream:
                    metadata=None) -> "EngineStream":
         call = backend.decode.Decode(req, metadata=metadata)
         try:
-            first = await asyncio.wait_for(call.read(), idle_timeout_s)
+            first = await await_within(call.read(), idle_timeout_s)
         except grpc.aio.AioRpcError as err:
             raise from_backend(err) from None
         except asyncio.TimeoutError:
@@ -85,7 +86,7 @@ class EngineStream:
         if self.finished:
             raise StopAsyncIteration
         try:
-            msg = await asyncio.wait_for(self._call.read(), self._idle_timeout_s)
+            msg = await await_within(self._call.read(), self._idle_timeout_s)
         except grpc.aio.AioRpcError as err:
             self.finished = True
             raise from_backend(err) from None
