@@ -69,6 +69,19 @@ async def decode_tokens(ch, **req):
     return [t for m in msgs for t in m.token_ids]
 
 
+async def load_when_whole(ch, timeout_s: float = 10.0):
+    """GetLoad once every block is free again, or at the deadline. A decode instance keeps a
+    finished request's blocks until its saves of them (KV reuse) are put, which runs on the
+    connector's I/O worker after the stream ended: a leak still fails the caller's check."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        load = await pb_grpc.DecodeServiceStub(ch).GetLoad(pb.LoadRequest())
+        if load.num_free_blocks == load.num_total_blocks \
+                or asyncio.get_running_loop().time() > deadline:
+            return load
+        await asyncio.sleep(0.02)
+
+
 def test_prefill_saves_decode_loads_same_tokens(reference, redis_url):
     torch.set_num_threads(1)
 
@@ -82,8 +95,7 @@ def test_prefill_saves_decode_loads_same_tokens(reference, redis_url):
             rest = await decode_tokens(dec, request_id="d", first_token_id=first.first_token_id,
                                        block_keys=first.block_keys)
             hit = await decode_tokens(other, request_id="h", block_keys=first.block_keys)
-            loads = [await pb_grpc.DecodeServiceStub(c).GetLoad(pb.LoadRequest())
-                     for c in (dec, other)]
+            loads = [await load_when_whole(c) for c in (dec, other)]
             saved = await pb_grpc.PrefillServiceStub(pre).GetLoad(pb.LoadRequest())
             return health, first, rest, hit, loads, saved
 
