@@ -1,5 +1,6 @@
 """Packed GGUF weights (Q4_0, Q4_1, Q8_0; the K-quants: test_packed_kquants.py): expansion
-equals gguf-py's dequantize bit for bit, and x @ W^T on every path equals the dequantized fp32 GEMM up to summation order.
+equals gguf-py's dequantize bit for bit, and x @ W^T on every path equals the dequantized fp32
+GEMM up to summation order.
 
 The reference is `gguf.quants.dequantize` (what the fp32 path loads and transformers uses) and
 torch's fp32 matmul in float64 (so the tolerance only has to cover our summation order). Odd M

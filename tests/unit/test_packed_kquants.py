@@ -11,7 +11,6 @@ the fp32 weights give.
 from __future__ import annotations
 
 import gguf
-import numpy as np
 import pytest
 import torch
 
@@ -24,8 +23,8 @@ from pdserve.common.models.quant.triton_gemm import triton_packed_linear
 from pdserve.common.models.registry import expand_weights, model_fingerprint
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.tests.unit.kquant_helpers import KQUANTS, make_kquant_weight, random_kquant_rows
-from pdserve.tests.unit.packed_helpers import reference, tol
-from pdserve.tests.unit.test_packed_model import GGUF_NAMES, engine
+from pdserve.tests.unit.packed_helpers import reference, tol, write_tiny_llama_gguf
+from pdserve.tests.unit.test_packed_model import engine
 
 torch.set_num_threads(2)
 IDS = dict(ids=lambda q: q.name)
@@ -114,39 +113,15 @@ def storage_type(name: str) -> QType:
 
 
 def write_kquant_gguf(path, tied: bool) -> None:
-    rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path), "llama")
-    for fn, v in (("add_block_count", 2), ("add_context_length", 1024),
-                  ("add_embedding_length", H), ("add_feed_forward_length", INTER),
-                  ("add_head_count", HEADS), ("add_head_count_kv", KV_HEADS),
-                  ("add_layer_norm_rms_eps", 1e-5), ("add_vocab_size", VOCAB)):
-        getattr(w, fn)(v)
-    seed = iter(range(1000))
+    seeds = iter(range(1000))
 
-    def add(gguf_name, hf_name, shape):
+    def encode(hf_name, shape, heads):  # random rows: no permutation to undo at write time
         qt = storage_type(hf_name)
-        rows = random_kquant_rows(qt, shape[0], shape[1], next(seed),
+        rows = random_kquant_rows(qt, shape[0], shape[1], next(seeds),
                                   scale=shape[1] ** -0.5 / _SPREAD[qt])
-        w.add_tensor(gguf_name, rows, raw_dtype=gguf.GGMLQuantizationType(int(qt)))
+        return rows, gguf.GGMLQuantizationType(int(qt))
 
-    add("token_embd.weight", "model.embed_tokens.weight", (VOCAB, H))
-    if not tied:
-        add("output.weight", "lm_head.weight", (VOCAB, H))
-    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
-    kv = KV_HEADS * H // HEADS
-    shapes = {"self_attn.q_proj": (H, H), "self_attn.k_proj": (kv, H),
-              "self_attn.v_proj": (kv, H), "self_attn.o_proj": (H, H),
-              "mlp.gate_proj": (INTER, H), "mlp.up_proj": (INTER, H), "mlp.down_proj": (H, INTER)}
-    for i in range(2):
-        for module, shape in shapes.items():
-            add(f"blk.{i}.{GGUF_NAMES[module]}.weight", f"model.layers.{i}.{module}.weight", shape)
-        for norm in ("attn_norm", "ffn_norm"):
-            w.add_tensor(f"blk.{i}.{norm}.weight",
-                         (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tiny_llama_gguf(path, (H, HEADS, KV_HEADS, INTER, VOCAB), tied, encode)
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])

@@ -163,6 +163,9 @@ inline __m256i kq_quants(const uint8_t* b, int s) {
 }
 #endif
 
+template <int64_t QT, typename V>
+inline void expand_k(const uint8_t* b, int s, V* w);
+
 #if defined(__AVX512F__)
 constexpr int VL = 16;
 using vec = __m512;
@@ -170,27 +173,18 @@ inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 inline vec u8_to_f(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)); }
 
 inline vec i8_to_f(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
 
-// K-quant sub-block s: the AVX2 byte unpacking, then 2 x 16 lanes.
-template <int64_t QT>
-inline void expand_k(const uint8_t* b, int s, vec* w) {
-  const __m256i q = kq_quants<QT>(b, s);
-  const __m128i part[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-  if constexpr (QT == kQ6_K) {
-    for (int j = 0; j < 2; ++j) w[j] = _mm512_mul_ps(_mm512_set1_ps(q6k_scale(b, 2 * s + j)),
-                                                     i8_to_f(part[j]));
-  } else {
-    float ds, ms;
-    kq_scale_min(b, s, ds, ms);
-    const vec d = _mm512_set1_ps(ds), m = _mm512_set1_ps(-ms);
-    for (int j = 0; j < 2; ++j) w[j] = _mm512_fmadd_ps(d, u8_to_f(part[j]), m);
-  }
+// The bytes of vector j of a sub-block's 32 quants (j = 0, 1).
+inline __m128i lane_bytes(__m256i q, int j) {
+  return j == 0 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
 }
+inline vec vset1(float f) { return _mm512_set1_ps(f); }
 
 template <int64_t QT>
 inline void expand(const uint8_t* b, int s, vec* w) {  // 2 vectors
@@ -229,6 +223,7 @@ inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline float vsum(vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -240,22 +235,12 @@ inline vec u8_to_f(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q
 
 inline vec i8_to_f(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)); }
 
-// K-quant sub-block s: unpack 32 quant bytes, then 4 x 8 lanes.
-template <int64_t QT>
-inline void expand_k(const uint8_t* b, int s, vec* w) {
-  const __m256i q = kq_quants<QT>(b, s);
-  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-  const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-  if constexpr (QT == kQ6_K) {
-    const vec d[2] = {_mm256_set1_ps(q6k_scale(b, 2 * s)), _mm256_set1_ps(q6k_scale(b, 2 * s + 1))};
-    for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(d[j / 2], i8_to_f(part[j]));
-  } else {
-    float ds, ms;
-    kq_scale_min(b, s, ds, ms);
-    const vec d = _mm256_set1_ps(ds), m = _mm256_set1_ps(-ms);
-    for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(d, u8_to_f(part[j]), m);
-  }
+// The bytes of vector j of a sub-block's 32 quants (j = 0 .. 3; the low 8 of the result).
+inline __m128i lane_bytes(__m256i q, int j) {
+  const __m128i half = j < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+  return j % 2 ? _mm_srli_si128(half, 8) : half;
 }
+inline vec vset1(float f) { return _mm256_set1_ps(f); }
 
 template <int64_t QT>
 inline void expand(const uint8_t* b, int s, vec* w) {  // 4 vectors
@@ -289,6 +274,24 @@ inline void expand(const uint8_t* b, int s, vec* w) {  // 4 vectors
 #define PDSERVE_SIMD "avx2"
 #else
 #define PDSERVE_SIMD "scalar"
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// K-quant sub-block s: unpack its 32 quant bytes (AVX2 byte ops, either vector build), widen
+// them to 32 / VL vectors and scale: fma(d * sc, q, -(dmin * m)), or Q6_K's (d * scale) * q.
+template <int64_t QT, typename V>
+inline void expand_k(const uint8_t* b, int s, V* w) {
+  const __m256i q = kq_quants<QT>(b, s);
+  if constexpr (QT == kQ6_K) {
+    for (int j = 0; j < QK / VL; ++j)
+      w[j] = vmul(vset1(q6k_scale(b, 2 * s + j * VL / 16)), i8_to_f(lane_bytes(q, j)));
+  } else {
+    float ds, ms;
+    kq_scale_min(b, s, ds, ms);
+    const V d = vset1(ds), m = vset1(-ms);
+    for (int j = 0; j < QK / VL; ++j) w[j] = vfma(d, u8_to_f(lane_bytes(q, j)), m);
+  }
+}
 #endif
 
 struct Gemm {
