@@ -7,11 +7,19 @@ from collections.abc import Callable
 
 import gguf
 import numpy as np
+import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.common.engine.llm import LLM
+from pdserve.common.models.gguf_loader import load_gguf
+from pdserve.common.models.quant import gemm
 from pdserve.common.models.quant.packed import PackedWeight, QType
+from pdserve.common.models.registry import LoadedModel, model_fingerprint
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.tokenizer import Tokenizer
 
 
 def make_weight(qtype: QType, n: int, k: int, seed: int = 0) -> tuple[PackedWeight, torch.Tensor]:
@@ -79,3 +87,23 @@ def write_tiny_llama_gguf(path, dims: tuple[int, int, int, int, int], tied: bool
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def engine(path, packed: bool) -> LLM:
+    """An engine over the GGUF at `path`, weights packed or expanded at load."""
+    config, weights = load_gguf(path, packed=packed)
+    loaded = LoadedModel(config, weights, Tokenizer.tiny(), model_fingerprint(config, weights))
+    return LLM(EngineConfig(model="tiny", num_threads=2, cache=CacheConfig(num_blocks=96),
+                            scheduler=SchedulerConfig(max_num_batched_tokens=512)), loaded=loaded)
+
+
+def assert_same_greedy(ours: LLM, ref: LLM, vocab: int) -> None:
+    """Equal greedy tokens and logprobs (up to summation order) for a short prompt and one long
+    enough to cross quant.gemm.LARGE_M (both CPU paths run)."""
+    long_prompt = [(7 * i) % (vocab - 1) + 1 for i in range(gemm.LARGE_M + 9)]
+    prompts = [[3, 17, 42, 99, 5], long_prompt]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    for a, b in zip(ours.generate(prompts, params), ref.generate(prompts, params)):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)

@@ -21,10 +21,9 @@ from pdserve.common.models.quant.embedding import PackedEmbedding
 from pdserve.common.models.quant.packed import PackedWeight, QType
 from pdserve.common.models.quant.triton_gemm import triton_packed_linear
 from pdserve.common.models.registry import expand_weights, model_fingerprint
-from pdserve.common.sampling_params import SamplingParams
 from pdserve.tests.unit.kquant_helpers import KQUANTS, make_kquant_weight, random_kquant_rows
-from pdserve.tests.unit.packed_helpers import reference, tol, write_tiny_llama_gguf
-from pdserve.tests.unit.test_packed_model import engine
+from pdserve.tests.unit.packed_helpers import (assert_same_greedy, engine, reference, tol,
+                                               write_tiny_llama_gguf)
 
 torch.set_num_threads(2)
 IDS = dict(ids=lambda q: q.name)
@@ -150,10 +149,4 @@ def test_kquant_gguf_loads_packed_and_decodes_like_fp32(tmp_path, tied):
     assert (head is model.embed_tokens.packed_weight) if tied else head.qtype == QType.Q4_K
     assert ours.engine.weights_footprint.resident_bytes < (
         0.5 * ref.engine.weights_footprint.resident_bytes)
-    long_prompt = [(7 * i) % (VOCAB - 1) + 1 for i in range(gemm.LARGE_M + 9)]
-    prompts = [[3, 17, 42, 99, 5], long_prompt]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-    for a, b in zip(ours.generate(prompts, params), ref.generate(prompts, params)):
-        assert a.token_ids == b.token_ids
-        for x, y in zip(a.logprobs, b.logprobs):
-            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    assert_same_greedy(ours, ref, VOCAB)

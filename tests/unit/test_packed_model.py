@@ -12,16 +12,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.common.engine.llm import LLM
 from pdserve.common.models.gguf_loader import load_gguf
-from pdserve.common.models.quant import gemm
 from pdserve.common.models.quant.embedding import PackedEmbedding
 from pdserve.common.models.quant.packed import PackedWeight, QType
-from pdserve.common.models.registry import LoadedModel, expand_weights, model_fingerprint
-from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.tokenizer import Tokenizer
-from pdserve.tests.unit.packed_helpers import write_tiny_llama_gguf
+from pdserve.common.models.registry import expand_weights, model_fingerprint
+from pdserve.tests.unit.packed_helpers import (assert_same_greedy, engine,
+                                               write_tiny_llama_gguf)
 
 H, HEADS, KV_HEADS, INTER, VOCAB = 64, 4, 2, 96, 320
 
@@ -50,13 +46,6 @@ def write_gguf(path, tied: bool) -> None:
         return gguf.quants.quantize(values, qt), qt
 
     write_tiny_llama_gguf(path, (H, HEADS, KV_HEADS, INTER, VOCAB), tied, encode)
-
-
-def engine(path, packed: bool) -> LLM:
-    config, weights = load_gguf(path, packed=packed)
-    loaded = LoadedModel(config, weights, Tokenizer.tiny(), model_fingerprint(config, weights))
-    return LLM(EngineConfig(model="tiny", num_threads=2, cache=CacheConfig(num_blocks=96),
-                            scheduler=SchedulerConfig(max_num_batched_tokens=512)), loaded=loaded)
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
@@ -93,10 +82,4 @@ def test_engine_packed_equals_fp32(tmp_path, tied):
     assert fp.fp32_bytes == sum(w.numel() * 4 for w in expand_weights(
         load_gguf(tmp_path / "m.gguf")[1]).values())  # each weight once, as fp32
     assert fp.resident_bytes < 0.5 * fp_ref.resident_bytes
-    long_prompt = [(7 * i) % (VOCAB - 1) + 1 for i in range(gemm.LARGE_M + 9)]
-    prompts = [[3, 17, 42, 99, 5], long_prompt]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-    for a, b in zip(ours.generate(prompts, params), ref.generate(prompts, params)):
-        assert a.token_ids == b.token_ids
-        for x, y in zip(a.logprobs, b.logprobs):
-            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    assert_same_greedy(ours, ref, VOCAB)
