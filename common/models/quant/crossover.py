@@ -53,14 +53,18 @@ def _fix_scales(ws: list[PackedWeight]) -> None:
                                                     dtype=torch.uint8)
 
 
-def time_path(native, ws, m: int, large: bool, repeats: int) -> float:
+def time_path(native, ws, m: int, large: bool, repeats: int, fp32=None) -> float:
+    """Median seconds for one pass over `ws`: the packed kernel, expand + GEMM (`large`), or
+    with `fp32` (the weights expanded beforehand) the fp32 GEMM the --weights fp32 path runs."""
     xs = {k: torch.randn(m, k) for k in {w.in_features for w in ws}}
     times = []
     for r in range(repeats + 1):
         t = time.perf_counter()
-        for w in ws:
+        for i, w in enumerate(ws):
             x = xs[w.in_features]
-            if large:
+            if fp32 is not None:
+                gemm._fp32_gemm(x, fp32[i], None)
+            elif large:
                 gemm._expand_then_gemm(native, x, w, None, None)
             else:
                 native.packed_gemm(x, w.data, int(w.qtype))
@@ -76,6 +80,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--qtype", choices=[q.name for q in QType], default="Q4_1")
     p.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2-135m")
+    p.add_argument("--fp32", action="store_true",
+                   help="also time the fp32 GEMM on weights expanded beforehand (fp32 path)")
     p.add_argument("--m", type=int, nargs="+", default=[1, 4, 8, 16, 24, 32, 48, 64, 128, 256])
     args = p.parse_args()
     torch.set_num_threads(args.num_threads)
@@ -84,13 +90,19 @@ def main() -> int:
         raise SystemExit("the packed kernels did not build")
     ws = _weights(QType[args.qtype], args.layers, SHAPES[args.shapes])
     _fix_scales(ws)
+    fp32 = [gemm.expand(w) for w in ws] if args.fp32 else None
     rows = []
     for m in args.m:
         packed = time_path(native, ws, m, False, args.repeats)
         expand = time_path(native, ws, m, True, args.repeats)
         rows.append({"m": m, "packed_ms": packed * 1e3, "expand_gemm_ms": expand * 1e3})
-        print(f"M={m:<5} packed {packed * 1e3:9.2f} ms   expand+GEMM {expand * 1e3:9.2f} ms   "
-              f"ratio {expand / packed:5.2f}", flush=True)
+        line = (f"M={m:<5} packed {packed * 1e3:9.2f} ms   expand+GEMM {expand * 1e3:9.2f} ms   "
+                f"ratio {expand / packed:5.2f}")
+        if fp32 is not None:
+            rows[-1]["fp32_ms"] = time_path(native, ws, m, False, args.repeats, fp32) * 1e3
+            line += (f"   fp32 GEMM {rows[-1]['fp32_ms']:9.2f} ms   fp32/packed "
+                     f"{rows[-1]['fp32_ms'] / 1e3 / packed:5.2f}")
+        print(line, flush=True)
     cross = next((r["m"] for i, r in enumerate(rows)
                   if all(s["expand_gemm_ms"] < s["packed_ms"] for s in rows[i:])), None)
     print(f"cpu: {platform.processor() or platform.machine()}, simd {native.simd}, threads "
