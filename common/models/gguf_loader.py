@@ -4,8 +4,8 @@ The weights must equal what transformers builds from the same file (`from_pretra
 gguf_file=...)`), so we dequantize with the same library (`gguf.quants.dequantize`) and undo
 llama.cpp's Q/K row permutation exactly as transformers' `LlamaTensorProcessor` does.
 
-With `packed=True`, 2-D tensors of a type the packed kernels take (Q4_0, Q4_1, Q8_0:
-quant/packed.py) stay as their GGUF blocks (`PackedWeight`, rows permuted the same way; a
+With `packed=True`, 2-D tensors of a type the packed kernels take (Q4_0, Q4_1, Q8_0 and the
+K-quants Q4_K, Q5_K, Q6_K: quant/packed.py) stay as their GGUF blocks (`PackedWeight`, rows permuted the same way; a
 packed block expands to exactly what `dequantize` returns). Every other type is dequantized to
 fp32 as before, and the types that fall back are logged once per file with the reason.
 """
@@ -54,7 +54,8 @@ def load_gguf(path: str | Path, packed: bool = False
     for tensor in reader.tensors:
         hf_name = hf_tensor_name(tensor.name, path)
         qtype = QType.from_ggml(tensor.tensor_type) if packed else None
-        if qtype is not None and len(tensor.shape) == 2:
+        if (qtype is not None and len(tensor.shape) == 2
+                and int(tensor.shape[0]) % qtype.block_size == 0):
             n, k = int(tensor.shape[1]), int(tensor.shape[0])
             rows = np.asarray(tensor.data).reshape(n, -1)  # [N, row_bytes], rows whole
             rows = _unpermute(config, hf_name, rows)

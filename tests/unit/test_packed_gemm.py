@@ -1,5 +1,6 @@
-"""Packed GGUF weights (Q4_0, Q4_1, Q8_0): expansion equals gguf-py's dequantize bit for bit, and
-x @ W^T on every path equals the dequantized fp32 GEMM up to summation order.
+"""Packed GGUF weights (Q4_0, Q4_1, Q8_0; the K-quants: test_packed_kquants.py): expansion
+equals gguf-py's dequantize bit for bit, and x @ W^T on every path equals the dequantized fp32
+GEMM up to summation order.
 
 The reference is `gguf.quants.dequantize` (what the fp32 path loads and transformers uses) and
 torch's fp32 matmul in float64 (so the tolerance only has to cover our summation order). Odd M
@@ -85,7 +86,7 @@ def test_bad_inputs_are_value_errors():
     native = load_packed_kernels()
     w, _ = make_weight(QType.Q8_0, 8, 64)
     with pytest.raises(ValueError, match="qtype"):
-        native.packed_gemm(torch.randn(2, 64), w.data, 12)
+        native.packed_gemm(torch.randn(2, 64), w.data, 6)  # Q5_0: no packed kernel
     with pytest.raises(ValueError, match="weight"):
         native.packed_gemm(torch.randn(2, 96), w.data, 8)  # K disagrees with the row bytes
     with pytest.raises(ValueError, match="residual"):

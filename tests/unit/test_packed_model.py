@@ -12,20 +12,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.common.engine.llm import LLM
 from pdserve.common.models.gguf_loader import load_gguf
-from pdserve.common.models.quant import gemm
 from pdserve.common.models.quant.embedding import PackedEmbedding
 from pdserve.common.models.quant.packed import PackedWeight, QType
-from pdserve.common.models.registry import LoadedModel, expand_weights, model_fingerprint
-from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.tokenizer import Tokenizer
+from pdserve.common.models.registry import expand_weights, model_fingerprint
+from pdserve.tests.unit.packed_helpers import (assert_same_greedy, engine,
+                                               write_tiny_llama_gguf)
 
 H, HEADS, KV_HEADS, INTER, VOCAB = 64, 4, 2, 96, 320
-GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
 def storage_type(name: str) -> QT:
@@ -44,46 +38,14 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp's, which the 
 
 def write_gguf(path, tied: bool) -> None:
     rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path), "llama")
-    for fn, v in (("add_block_count", 2), ("add_context_length", 1024),
-                  ("add_embedding_length", H), ("add_feed_forward_length", INTER),
-                  ("add_head_count", HEADS), ("add_head_count_kv", KV_HEADS),
-                  ("add_layer_norm_rms_eps", 1e-5), ("add_vocab_size", VOCAB)):
-        getattr(w, fn)(v)
 
-    def add(gguf_name, hf_name, shape, heads=0):
+    def encode(hf_name, shape, heads):
         values = (rng.standard_normal(shape) * shape[1] ** -0.5).astype(np.float32)
         values = permute(values, heads) if heads else values
         qt = storage_type(hf_name)
-        w.add_tensor(gguf_name, gguf.quants.quantize(values, qt), raw_dtype=qt)
+        return gguf.quants.quantize(values, qt), qt
 
-    add("token_embd.weight", "model.embed_tokens.weight", (VOCAB, H))
-    if not tied:
-        add("output.weight", "lm_head.weight", (VOCAB, H))
-    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
-    kv = KV_HEADS * H // HEADS
-    shapes = {"self_attn.q_proj": (H, H), "self_attn.k_proj": (kv, H),
-              "self_attn.v_proj": (kv, H), "self_attn.o_proj": (H, H),
-              "mlp.gate_proj": (INTER, H), "mlp.up_proj": (INTER, H), "mlp.down_proj": (H, INTER)}
-    for i in range(2):
-        for module, shape in shapes.items():
-            heads = {"self_attn.q_proj": HEADS, "self_attn.k_proj": KV_HEADS}.get(module, 0)
-            add(f"blk.{i}.{GGUF_NAMES[module]}.weight", f"model.layers.{i}.{module}.weight",
-                shape, heads)
-        for norm in ("attn_norm", "ffn_norm"):
-            w.add_tensor(f"blk.{i}.{norm}.weight",
-                         (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def engine(path, packed: bool) -> LLM:
-    config, weights = load_gguf(path, packed=packed)
-    loaded = LoadedModel(config, weights, Tokenizer.tiny(), model_fingerprint(config, weights))
-    return LLM(EngineConfig(model="tiny", num_threads=2, cache=CacheConfig(num_blocks=96),
-                            scheduler=SchedulerConfig(max_num_batched_tokens=512)), loaded=loaded)
+    write_tiny_llama_gguf(path, (H, HEADS, KV_HEADS, INTER, VOCAB), tied, encode)
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
@@ -120,10 +82,4 @@ def test_engine_packed_equals_fp32(tmp_path, tied):
     assert fp.fp32_bytes == sum(w.numel() * 4 for w in expand_weights(
         load_gguf(tmp_path / "m.gguf")[1]).values())  # each weight once, as fp32
     assert fp.resident_bytes < 0.5 * fp_ref.resident_bytes
-    long_prompt = [(7 * i) % (VOCAB - 1) + 1 for i in range(gemm.LARGE_M + 9)]
-    prompts = [[3, 17, 42, 99, 5], long_prompt]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-    for a, b in zip(ours.generate(prompts, params), ref.generate(prompts, params)):
-        assert a.token_ids == b.token_ids
-        for x, y in zip(a.logprobs, b.logprobs):
-            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    assert_same_greedy(ours, ref, VOCAB)

@@ -2,8 +2,9 @@
 
     flock /tmp/pdserve-cpu.lock python -m pdserve.common.models.quant.crossover --num-threads 2
 
-Times both CPU paths over one forward's worth of SmolLM2-shaped Q4_1 matrices (every layer's
-own weights, so they stream from memory as in the engine) at each M, medians of --repeats, and
+Times both CPU paths over one forward's worth of SmolLM2-shaped matrices of one type (`--qtype`,
+Q4_1 by default; random blocks with small finite fp16 scales; every layer's own weights, so
+they stream from memory as in the engine) at each M, medians of --repeats, and
 prints the smallest M from which expand-then-GEMM is faster at every larger M measured; the
 last line is one JSON object.
 """
@@ -23,32 +24,47 @@ from pdserve.common.models.quant import gemm
 from pdserve.common.models.quant.cpu_native import load_packed_kernels
 from pdserve.common.models.quant.packed import PackedWeight, QType
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2's per-layer (out, in)
+# per-layer (out, in) of the fused q/k/v, o, gate/up and down projections. SmolLM2-135M's width
+# 576 is no multiple of 256, so its K-quant files hold K-quants only where K = 1536 (down);
+# SmolLM2-1.7B (2048 / 8192) is all whole super-blocks.
+SHAPES = {"smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
+          "smollm2-1.7b": [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]}
 
 
-def _weights(layers: int) -> list[PackedWeight]:
+# byte offsets of each block's fp16 fields (scale d; min m or dmin); Q6_K's d comes last
+_HALF_FIELDS = {QType.Q4_0: (0,), QType.Q8_0: (0,), QType.Q4_1: (0, 2), QType.Q4_K: (0, 2),
+                QType.Q5_K: (0, 2), QType.Q6_K: (208,)}
+
+
+def _weights(qtype: QType, layers: int, shapes) -> list[PackedWeight]:
     rng = np.random.default_rng(0)
-    rb = QType.Q4_1.block_bytes
-    return [PackedWeight(QType.Q4_1, torch.from_numpy(
-        rng.integers(0, 256, (n, k // 32 * rb), dtype=np.uint8)), k)
-        for _ in range(layers) for n, k in SHAPES]
+    rb, bs = qtype.block_bytes, qtype.block_size
+    return [PackedWeight(qtype, torch.from_numpy(
+        rng.integers(0, 256, (n, k // bs * rb), dtype=np.uint8)), k)
+        for _ in range(layers) for n, k in shapes]
 
 
 def _fix_scales(ws: list[PackedWeight]) -> None:
-    """Random bytes include NaN/inf fp16 scales; make every d and m a small finite fp16."""
+    """Random bytes include NaN/inf fp16 scales; make every d (+2^-7) and min (-2^-7) finite."""
     for w in ws:
-        blocks = w.data.view(w.out_features, -1, QType.Q4_1.block_bytes)
-        blocks[..., 0:4] = torch.tensor([0x00, 0x20, 0x00, 0xA0], dtype=torch.uint8)
+        blocks = w.data.view(w.out_features, -1, w.qtype.block_bytes)
+        for i, off in enumerate(_HALF_FIELDS[w.qtype]):
+            blocks[..., off:off + 2] = torch.tensor([0x00, 0x20 if i == 0 else 0xA0],
+                                                    dtype=torch.uint8)
 
 
-def time_path(native, ws, m: int, large: bool, repeats: int) -> float:
-    xs = {k: torch.randn(m, k) for _, k in SHAPES}
+def time_path(native, ws, m: int, large: bool, repeats: int, fp32=None) -> float:
+    """Median seconds for one pass over `ws`: the packed kernel, expand + GEMM (`large`), or
+    with `fp32` (the weights expanded beforehand) the fp32 GEMM the --weights fp32 path runs."""
+    xs = {k: torch.randn(m, k) for k in {w.in_features for w in ws}}
     times = []
     for r in range(repeats + 1):
         t = time.perf_counter()
-        for w in ws:
+        for i, w in enumerate(ws):
             x = xs[w.in_features]
-            if large:
+            if fp32 is not None:
+                gemm._fp32_gemm(x, fp32[i], None)
+            elif large:
                 gemm._expand_then_gemm(native, x, w, None, None)
             else:
                 native.packed_gemm(x, w.data, int(w.qtype))
@@ -62,26 +78,38 @@ def main() -> int:
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--qtype", choices=[q.name for q in QType], default="Q4_1")
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2-135m")
+    p.add_argument("--fp32", action="store_true",
+                   help="also time the fp32 GEMM on weights expanded beforehand (fp32 path)")
     p.add_argument("--m", type=int, nargs="+", default=[1, 4, 8, 16, 24, 32, 48, 64, 128, 256])
     args = p.parse_args()
     torch.set_num_threads(args.num_threads)
     native = load_packed_kernels()
     if native is None:
         raise SystemExit("the packed kernels did not build")
-    ws = _weights(args.layers)
+    ws = _weights(QType[args.qtype], args.layers, SHAPES[args.shapes])
     _fix_scales(ws)
+    fp32 = [gemm.expand(w) for w in ws] if args.fp32 else None
     rows = []
     for m in args.m:
         packed = time_path(native, ws, m, False, args.repeats)
         expand = time_path(native, ws, m, True, args.repeats)
         rows.append({"m": m, "packed_ms": packed * 1e3, "expand_gemm_ms": expand * 1e3})
-        print(f"M={m:<5} packed {packed * 1e3:9.2f} ms   expand+GEMM {expand * 1e3:9.2f} ms   "
-              f"ratio {expand / packed:5.2f}", flush=True)
+        line = (f"M={m:<5} packed {packed * 1e3:9.2f} ms   expand+GEMM {expand * 1e3:9.2f} ms   "
+                f"ratio {expand / packed:5.2f}")
+        if fp32 is not None:
+            rows[-1]["fp32_ms"] = time_path(native, ws, m, False, args.repeats, fp32) * 1e3
+            line += (f"   fp32 GEMM {rows[-1]['fp32_ms']:9.2f} ms   fp32/packed "
+                     f"{rows[-1]['fp32_ms'] / 1e3 / packed:5.2f}")
+        print(line, flush=True)
     cross = next((r["m"] for i, r in enumerate(rows)
                   if all(s["expand_gemm_ms"] < s["packed_ms"] for s in rows[i:])), None)
     print(f"cpu: {platform.processor() or platform.machine()}, simd {native.simd}, threads "
-          f"{args.num_threads}; expand+GEMM faster from M = {cross}")
+          f"{args.num_threads}, {args.qtype} {args.shapes} x {args.layers}; expand+GEMM faster "
+          f"from M = {cross}")
     print(json.dumps({"simd": native.simd, "num_threads": args.num_threads,
+                      "qtype": args.qtype, "shapes": args.shapes,
                       "crossover_m": cross, "rows": rows}))
     return 0
 

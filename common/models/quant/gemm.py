@@ -4,7 +4,7 @@
   output rows: for a few rows each block is expanded in registers; from 4 rows on, a panel of
   weight rows is expanded once into cache-resident scratch and a register-tiled micro-kernel
   runs over all rows. Decode steps live here; the weight bytes streamed per step are the packed
-  ones (Q4_1: 0.625 bytes per weight instead of 4).
+  ones (Q4_1: 0.625 bytes per weight instead of 4; Q4_K 0.5625, Q6_K 0.82).
 - CPU, M >= LARGE_M: expand TILE_ROWS rows of W at a time to fp32 (native) and multiply with
   oneDNN's fp32 GEMM (torch's where oneDNN is missing). With many rows the GEMM is compute-bound, the expansion is paid once per
   M rows, and the tuned GEMM beats the packed kernel (whose activation blocks stream from L3

@@ -1,12 +1,16 @@
 """GGUF block-quantized weights kept packed in memory (`PackedWeight`), and their expansion.
 
-A packed weight is the GGUF tensor's bytes, row by row: [N, K / 32 * block_bytes] uint8 for a
-logical [N, K] fp32 matrix, blocks of 32 along K. Rows can be reordered and concatenated
+A packed weight is the GGUF tensor's bytes, row by row: [N, K / block_size * block_bytes] uint8
+for a logical [N, K] fp32 matrix, blocks along K of 32 weights (Q4_0, Q4_1, Q8_0) or
+super-blocks of 256 (the K-quants Q4_K, Q5_K, Q6_K: 8 sub-blocks of 32 with their own scales;
+every kernel walks K in 32-weight sub-blocks). Rows can be reordered and concatenated
 without touching a block (llama.cpp's Q/K row permutation, the fused q/k/v and gate/up
 projections), which is all loading needs.
 
 `dequantize` reproduces gguf-py's `gguf.quants.dequantize` bit for bit (the products d * q are
-exact in fp32; Q4_1's + m rounds once in both), so every path that expands these weights
+exact in fp32; Q4_1's + m rounds once in both; a K-quant's sub-block scale d * sc and min
+dmin * m are exact products of an fp16 and a 6- or 8-bit integer, so `d_s * q - m_s` rounds
+once, as in numpy), so every path that expands these weights
 (native kernels, this torch fallback, the Triton kernel) multiplies by exactly the fp32 weights
 transformers loads from the same file.
 """
@@ -19,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-BLOCK = 32  # weights per block, for every type packed here
+SUB_BLOCK = 32  # weights per (sub-)block: the unit every kernel expands at a time
+QK_K = 256  # weights per K-quant super-block
 
 
 class QType(enum.IntEnum):
@@ -28,10 +33,18 @@ class QType(enum.IntEnum):
     Q4_0 = 2
     Q4_1 = 3
     Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
 
     @property
     def block_bytes(self) -> int:
-        return {QType.Q4_0: 18, QType.Q4_1: 20, QType.Q8_0: 34}[self]
+        return _LAYOUT[self][1]
+
+    @property
+    def block_size(self) -> int:
+        """Weights per block (32, or 256 for a K-quant super-block)."""
+        return _LAYOUT[self][0]
 
     @classmethod
     def from_ggml(cls, ggml_type: int) -> "QType | None":
@@ -42,11 +55,16 @@ class QType(enum.IntEnum):
             return None
 
 
+# qtype -> (weights per block, bytes per block), as gguf's GGML_QUANT_SIZES
+_LAYOUT = {QType.Q4_0: (32, 18), QType.Q4_1: (32, 20), QType.Q8_0: (32, 34),
+           QType.Q4_K: (QK_K, 144), QType.Q5_K: (QK_K, 176), QType.Q6_K: (QK_K, 210)}
+
+
 @dataclass(frozen=True, eq=False)
 class PackedWeight:
     """A logical [out_features, in_features] fp32 weight held as GGUF blocks.
 
-    data: [out_features, in_features / 32 * qtype.block_bytes] uint8, contiguous.
+    data: [out_features, in_features / qtype.block_size * qtype.block_bytes] uint8, contiguous.
     """
 
     qtype: QType
@@ -56,10 +74,11 @@ class PackedWeight:
     def __post_init__(self):
         if not isinstance(self.qtype, QType):
             raise ValueError(f"qtype must be a QType, got {self.qtype!r}")
-        if self.in_features <= 0 or self.in_features % BLOCK:
-            raise ValueError(f"in_features must be a positive multiple of {BLOCK}, "
-                             f"got {self.in_features}")
-        row_bytes = self.in_features // BLOCK * self.qtype.block_bytes
+        bs = self.qtype.block_size
+        if self.in_features <= 0 or self.in_features % bs:
+            raise ValueError(f"in_features must be a positive multiple of {bs} for "
+                             f"{self.qtype.name}, got {self.in_features}")
+        row_bytes = self.in_features // bs * self.qtype.block_bytes
         if (self.data.dtype != torch.uint8 or self.data.dim() != 2
                 or self.data.shape[1] != row_bytes or not self.data.is_contiguous()):
             raise ValueError(f"data must be contiguous uint8 [N, {row_bytes}], got "
@@ -110,17 +129,71 @@ class PackedWeight:
 
 
 def expand_blocks(data: torch.Tensor, qtype: QType, in_features: int) -> torch.Tensor:
-    """[R, K / 32 * block_bytes] uint8 -> [R, K] fp32, torch ops (the reference expansion)."""
+    """[R, K / block_size * block_bytes] uint8 -> [R, K] fp32, torch ops (the reference)."""
     r = data.shape[0]
-    blocks = data.reshape(r, in_features // BLOCK, qtype.block_bytes)
-    d = _half(blocks[..., 0:2])
-    if qtype == QType.Q8_0:
-        q = blocks[..., 2:].contiguous().view(torch.int8).float()
-        return (q * d).reshape(r, in_features)
-    qs = blocks[..., 4:] if qtype == QType.Q4_1 else blocks[..., 2:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # element j low, j + 16 high nibble
-    w = d * q + _half(blocks[..., 2:4]) if qtype == QType.Q4_1 else d * (q - 8.0)
-    return w.reshape(r, in_features)
+    blocks = data.reshape(r, in_features // qtype.block_size, qtype.block_bytes)
+    return _EXPAND[qtype](blocks).reshape(r, in_features)
+
+
+def _expand_q8_0(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 34] -> [R, nb, 32]
+    return b[..., 2:].contiguous().view(torch.int8).float() * _half(b[..., 0:2])
+
+
+def _expand_q4_0(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 18] -> [R, nb, 32]
+    return _half(b[..., 0:2]) * (_nibbles(b[..., 2:]) - 8.0)
+
+
+def _expand_q4_1(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 20] -> [R, nb, 32]
+    return _half(b[..., 0:2]) * _nibbles(b[..., 4:]) + _half(b[..., 2:4])
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32] fp32: element j low nibble, j + 16 high nibble."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+
+
+def _kquant_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K [R, nb, bytes] -> the 8 sub-block scales d * sc and mins dmin * m,
+    each [R, nb, 8, 1] fp32 (6-bit sc, m unpacked from bytes 4 .. 16 as gguf-py does)."""
+    s = b[..., 4:16]
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], dim=-1).float()
+    mn = torch.cat([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], dim=-1).float()
+    return (_half(b[..., 0:2]) * sc).unsqueeze(-1), (_half(b[..., 2:4]) * mn).unsqueeze(-1)
+
+
+def _low_high(qs: torch.Tensor) -> torch.Tensor:
+    """[R, nb, 128] bytes -> [R, nb, 8, 32]: per 32-byte chunk, low nibbles then high ones."""
+    c = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    return torch.cat([c & 0x0F, c >> 4], dim=-2).reshape(*qs.shape[:-1], 8, 32)
+
+
+def _expand_q4_k(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 144] -> [R, nb, 256]
+    d, m = _kquant_scales(b)
+    return (d * _low_high(b[..., 16:]).float() - m).flatten(-2)
+
+
+def _expand_q5_k(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 176] -> [R, nb, 256]
+    d, m = _kquant_scales(b)
+    qh = b[..., 16:48].unsqueeze(-2)  # [R, nb, 1, 32]: bit s of byte i -> sub-block s
+    bits = torch.arange(8, dtype=torch.uint8, device=b.device).view(8, 1)
+    q = _low_high(b[..., 48:]) | (((qh >> bits) & 1) << 4)
+    return (d * q.float() - m).flatten(-2)
+
+
+def _expand_q6_k(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 210] -> [R, nb, 256]
+    ql = b[..., 0:128].reshape(*b.shape[:-1], 2, 1, 64)
+    ql = torch.cat([ql & 0x0F, ql >> 4], dim=-2).reshape(*b.shape[:-1], 8, 32)
+    qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(4, 1)
+    qh = ((qh >> shifts) & 3).reshape(*b.shape[:-1], 8, 32)
+    q = ((ql | (qh << 4)).view(torch.int8) - 32).float().reshape(*b.shape[:-1], 16, 16)
+    sc = b[..., 192:208].contiguous().view(torch.int8).float()  # [R, nb, 16]
+    return (_half(b[..., 208:210]) * sc).unsqueeze(-1).mul(q).flatten(-2)
+
+
+_EXPAND = {QType.Q4_0: _expand_q4_0, QType.Q4_1: _expand_q4_1, QType.Q8_0: _expand_q8_0,
+           QType.Q4_K: _expand_q4_k, QType.Q5_K: _expand_q5_k, QType.Q6_K: _expand_q6_k}
 
 
 def _half(two_bytes: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """The packed-weight GEMM on CUDA (Triton): y = x @ W^T (+ bias) (+ residual), W GGUF-packed.
 
-Grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)). A program walks K one 32-weight block at a time: it
-loads its BLOCK_N rows' scale (and min) and quants, expands them to fp32 in registers exactly as
-gguf-py dequantizes (quant/packed.py), and accumulates x_tile @ w_tile^T in fp32 with
+Grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)). A program walks K one 32-weight (sub-)block at a
+time (Q4_0 / Q4_1 / Q8_0 blocks, or the 8 sub-blocks of a K-quant super-block): it loads its
+BLOCK_N rows' scale (and min) and quants, expands them to fp32 in registers exactly as gguf-py
+dequantizes (quant/packed.py; a K-quant's sub-block scale d * sc and min dmin * m are exact
+products, so d_s * q - m_s rounds once, fused or not), and accumulates x_tile @ w_tile^T in fp32 with
 `input_precision="ieee"` (never TF32, which would round the operands). So, as on the CPU, the
 result is the dequantized-fp32 GEMM up to summation order, from packed bytes.
 
@@ -16,7 +18,7 @@ import torch
 import triton.language as tl
 
 from pdserve.common.attention.triton_kernels._launch import device_kernel, pow2
-from pdserve.common.models.quant.packed import BLOCK, PackedWeight, QType
+from pdserve.common.models.quant.packed import SUB_BLOCK, PackedWeight, QType
 
 
 @device_kernel
@@ -26,17 +28,18 @@ def _packed_gemm_kernel(
     bias_ptr,  # [N] fp32 (HAS_BIAS)
     res_ptr,  # [M, N] fp32, row stride stride_rm (HAS_RES)
     out_ptr,  # [M, N] fp32 contiguous
-    M, N, NUM_BLOCKS, stride_xm, row_bytes, stride_rm,
-    QT: tl.constexpr, BLOCK_BYTES: tl.constexpr, QS_OFFSET: tl.constexpr,
+    M, N, NUM_SUBS, stride_xm, row_bytes, stride_rm,
+    QT: tl.constexpr, BLOCK_BYTES: tl.constexpr, SUBS: tl.constexpr, QS_OFFSET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    j = tl.arange(0, 32)  # element within a block
+    j = tl.arange(0, 32)  # element within a (sub-)block
     m_mask = m < M
     n_mask = n < N
+    wmask = n_mask[:, None]
     if QT == 8:  # Q8_0: byte j holds element j
         q_byte = j
         q_shift = j * 0
@@ -45,26 +48,64 @@ def _packed_gemm_kernel(
         q_shift = (j // 16) * 4
     w_rows = w_ptr + n.to(tl.int64) * row_bytes  # [BLOCK_N] pointers
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-    for b in range(0, NUM_BLOCKS):
-        blk = w_rows + b * BLOCK_BYTES
-        d_bits = (tl.load(blk, mask=n_mask, other=0).to(tl.uint16)
-                  | (tl.load(blk + 1, mask=n_mask, other=0).to(tl.uint16) << 8))
-        d = d_bits.to(tl.float16, bitcast=True).to(tl.float32)  # [BLOCK_N]
-        raw = tl.load(blk[:, None] + QS_OFFSET + q_byte[None, :], mask=n_mask[:, None],
-                      other=0)  # [BLOCK_N, 32] uint8
-        if QT == 8:
-            q = raw.to(tl.int8, bitcast=True).to(tl.float32)
-            w = d[:, None] * q
+    for g in range(0, NUM_SUBS):  # sub-block s of super-block g // SUBS (SUBS = 1: blocks)
+        blk = w_rows + (g // SUBS) * BLOCK_BYTES
+        s = g % SUBS
+        if QT == 12 or QT == 13:  # Q4_K / Q5_K: (d * sc[s]) * q - dmin * m[s]
+            d = (tl.load(blk, mask=n_mask, other=0).to(tl.uint16)
+                 | (tl.load(blk + 1, mask=n_mask, other=0).to(tl.uint16) << 8)
+                 ).to(tl.float16, bitcast=True).to(tl.float32)  # [BLOCK_N]
+            dmin = (tl.load(blk + 2, mask=n_mask, other=0).to(tl.uint16)
+                    | (tl.load(blk + 3, mask=n_mask, other=0).to(tl.uint16) << 8)
+                    ).to(tl.float16, bitcast=True).to(tl.float32)
+            # the 6-bit sc[s], m[s] from scale bytes s, s + 4 and (s + 4) % 8 (gguf-py's layout)
+            a = tl.load(blk + 4 + s, mask=n_mask, other=0).to(tl.int32)
+            b4 = tl.load(blk + 8 + s, mask=n_mask, other=0).to(tl.int32)
+            c = tl.load(blk + 4 + (s + 4) % 8, mask=n_mask, other=0).to(tl.int32)
+            sc = tl.where(s < 4, a & 63, (b4 & 15) | ((c >> 6) << 4))
+            mn = tl.where(s < 4, b4 & 63, (b4 >> 4) | ((a >> 6) << 4))
+            ds = d * sc.to(tl.float32)
+            ms = dmin * mn.to(tl.float32)
+            raw = tl.load(blk[:, None] + QS_OFFSET + 32 * (s // 2) + j[None, :], mask=wmask,
+                          other=0).to(tl.int32)  # [BLOCK_N, 32]
+            q = (raw >> (4 * (s % 2))) & 15
+            if QT == 13:  # Q5_K: bit s of qh[j] is bit 4
+                qh = tl.load(blk[:, None] + 16 + j[None, :], mask=wmask, other=0).to(tl.int32)
+                q = q | (((qh >> s) & 1) << 4)
+            w = ds[:, None] * q.to(tl.float32) - ms[:, None]
+        elif QT == 14:  # Q6_K: (d * scale[e / 16]) * (q - 32)
+            t = s % 4
+            h = s // 4
+            lo = (tl.load(blk[:, None] + 64 * h + 32 * (t % 2) + j[None, :], mask=wmask,
+                          other=0).to(tl.int32) >> (4 * (t // 2))) & 15
+            hi = (tl.load(blk[:, None] + 128 + 32 * h + j[None, :], mask=wmask,
+                          other=0).to(tl.int32) >> (2 * t)) & 3
+            q = (lo | (hi << 4)) - 32
+            sc = tl.load(blk[:, None] + 192 + 2 * s + j[None, :] // 16, mask=wmask,
+                         other=0).to(tl.int8, bitcast=True).to(tl.float32)  # [BLOCK_N, 32]
+            d = (tl.load(blk + 208, mask=n_mask, other=0).to(tl.uint16)
+                 | (tl.load(blk + 209, mask=n_mask, other=0).to(tl.uint16) << 8)
+                 ).to(tl.float16, bitcast=True).to(tl.float32)
+            w = (d[:, None] * sc) * q.to(tl.float32)
         else:
-            q = ((raw >> q_shift[None, :].to(tl.uint8)) & 0x0F).to(tl.float32)
-            if QT == 3:  # Q4_1: d * q + m (the product is exact, so one rounding, as numpy)
-                m_bits = (tl.load(blk + 2, mask=n_mask, other=0).to(tl.uint16)
-                          | (tl.load(blk + 3, mask=n_mask, other=0).to(tl.uint16) << 8))
-                mn = m_bits.to(tl.float16, bitcast=True).to(tl.float32)
-                w = d[:, None] * q + mn[:, None]
-            else:  # Q4_0: d * (q - 8)
-                w = d[:, None] * (q - 8.0)
-        x = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + b * 32 + j[None, :],
+            d_bits = (tl.load(blk, mask=n_mask, other=0).to(tl.uint16)
+                      | (tl.load(blk + 1, mask=n_mask, other=0).to(tl.uint16) << 8))
+            d = d_bits.to(tl.float16, bitcast=True).to(tl.float32)  # [BLOCK_N]
+            raw = tl.load(blk[:, None] + QS_OFFSET + q_byte[None, :], mask=wmask,
+                          other=0)  # [BLOCK_N, 32] uint8
+            if QT == 8:
+                q = raw.to(tl.int8, bitcast=True).to(tl.float32)
+                w = d[:, None] * q
+            else:
+                q = ((raw >> q_shift[None, :].to(tl.uint8)) & 0x0F).to(tl.float32)
+                if QT == 3:  # Q4_1: d * q + m (the product is exact, so one rounding, as numpy)
+                    m_bits = (tl.load(blk + 2, mask=n_mask, other=0).to(tl.uint16)
+                              | (tl.load(blk + 3, mask=n_mask, other=0).to(tl.uint16) << 8))
+                    mn = m_bits.to(tl.float16, bitcast=True).to(tl.float32)
+                    w = d[:, None] * q + mn[:, None]
+                else:  # Q4_0: d * (q - 8)
+                    w = d[:, None] * (q - 8.0)
+        x = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + g * 32 + j[None, :],
                     mask=m_mask[:, None], other=0.0)  # [BLOCK_M, 32]
         acc += tl.dot(x, tl.trans(w), input_precision="ieee")
     if HAS_BIAS:
@@ -74,6 +115,11 @@ def _packed_gemm_kernel(
         acc += tl.load(res_ptr + m[:, None].to(tl.int64) * stride_rm + n[None, :], mask=mask,
                        other=0.0)
     tl.store(out_ptr + m[:, None].to(tl.int64) * N + n[None, :], acc, mask=mask)
+
+
+# byte offset of the quants in a block (sub-block 0's, for Q4_K / Q5_K); 2 otherwise (Q6_K's
+# offsets are in the kernel)
+_QS_OFFSET = {QType.Q4_1: 4, QType.Q4_K: 16, QType.Q5_K: 48}
 
 
 def triton_packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
@@ -94,9 +140,10 @@ def triton_packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | 
     grid = (-(-m_rows // block_m), -(-n // block_n))
     _packed_gemm_kernel.on(x.device)[grid](
         x, w.data, bias if bias is not None else out, residual if residual is not None else out,
-        out, m_rows, n, k // BLOCK, x.stride(0), w.data.shape[1],
+        out, m_rows, n, k // SUB_BLOCK, x.stride(0), w.data.shape[1],
         residual.stride(0) if residual is not None else 0,
         QT=int(w.qtype), BLOCK_BYTES=w.qtype.block_bytes,
-        QS_OFFSET=4 if w.qtype == QType.Q4_1 else 2, BLOCK_M=block_m, BLOCK_N=block_n,
+        SUBS=w.qtype.block_size // SUB_BLOCK, QS_OFFSET=_QS_OFFSET.get(w.qtype, 2),
+        BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None)
     return out

@@ -1,21 +1,32 @@
-// Packed-weight GEMM for GGUF block-quantized weights (Q4_0, Q4_1, Q8_0), exact fp32 arithmetic:
+// Packed-weight GEMM for GGUF block-quantized weights (Q4_0, Q4_1, Q8_0 and the K-quants Q4_K,
+// Q5_K, Q6_K), exact fp32 arithmetic:
 //   packed_gemm   out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) (+ residual[m, n])
 //   dequantize    the fp32 rows of a packed weight (for large-M GEMMs and embedding lookups)
-// Each block of 32 weights is expanded to fp32 in registers exactly as gguf-py's dequantize
-// computes it (fp16 scale and min widened to fp32; the products d * q are exact in fp32, so
+// Each 32-weight (sub-)block is expanded to fp32 in registers exactly as gguf-py's dequantize
+// computes it (fp16 scales and mins widened to fp32; the products d * q are exact in fp32, so
 // fma(d, q, m) rounds once, like numpy's (d * q) + m), then multiplied with fp32 activations and
 // accumulated in fp32. The result equals the dequantized-fp32 GEMM up to summation order; the
 // activations are never quantized (llama.cpp's Q8_1 activations change the answer).
 //
-// Layout: the weight is [N, row_bytes] uint8, each row its K / 32 blocks back to back, as in the
-// GGUF file (GGML type ids: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8).
-//   Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles; w[i] = d * (q[i] - 8)
-//   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; w[i] = d * q[i] + m
-//   Q8_0 (34 bytes): fp16 d, 32 int8; w[i] = d * q[i]
-// Nibble order: byte j holds element j (low nibble) and element j + 16 (high nibble).
+// Layout: the weight is [N, row_bytes] uint8, each row its blocks back to back, as in the GGUF
+// file (GGML type ids: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14).
+//   Q4_0 (18 bytes / 32): fp16 d, 16 bytes of nibbles; w[i] = d * (q[i] - 8)
+//   Q4_1 (20 bytes / 32): fp16 d, fp16 m, 16 bytes of nibbles; w[i] = d * q[i] + m
+//   Q8_0 (34 bytes / 32): fp16 d, 32 int8; w[i] = d * q[i]
+//   Nibble order: byte j holds element j (low nibble) and element j + 16 (high nibble).
+// K-quants: super-blocks of 256 weights = 8 sub-blocks of 32, each expanded like a block above.
+//   Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8], 128 bytes
+//     of nibbles (32-byte chunk c: sub-block 2c low nibbles, 2c + 1 high nibbles);
+//     w = (d * sc[s]) * q - dmin * m[s]   (both products exact: one rounding, an FMA)
+//   Q5_K (176 bytes): as Q4_K, with qh[32] after the scales (bit s of qh[i] is bit 4 of element
+//     i of sub-block s) and the nibbles after qh
+//   Q6_K (210 bytes): ql[128] (4 low bits), qh[64] (2 high bits), int8 scales[16] (one per 16
+//     weights), fp16 d; w = (d * scale[e / 16]) * (q - 32)
 //
 // ISA: AVX-512 (16 lanes), AVX2 + FMA (8 lanes) or plain C++, chosen at build time by the
-// compile flags (quant/cpu_native.py). Threads: at::parallel_for over output rows (OpenMP).
+// compile flags (quant/cpu_native.py). The K-quant bit unpacking is AVX2 code (256-bit byte
+// ops) in both vector builds; AVX-512 widens its bytes to 16-lane floats. Threads:
+// at::parallel_for over output rows (OpenMP).
 
 #include <torch/extension.h>
 
@@ -35,11 +46,18 @@
 
 namespace {
 
-constexpr int QK = 32;  // weights per block
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+constexpr int QK = 32;  // weights per (sub-)block: the unit every path expands
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
+constexpr bool valid_qtype(int64_t qt) {
+  return qt == kQ4_0 || qt == kQ4_1 || qt == kQ8_0 || qt == kQ4_K || qt == kQ5_K || qt == kQ6_K;
+}
+constexpr bool is_kquant(int64_t qt) { return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K; }
+constexpr int subs(int64_t qt) { return is_kquant(qt) ? 8 : 1; }  // sub-blocks per block
+constexpr int64_t block_size(int64_t qt) { return QK * subs(qt); }
 constexpr int64_t block_bytes(int64_t qt) {
-  return qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ8_0 ? 34 : 0;
+  return qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ8_0 ? 34 : qt == kQ4_K ? 144
+       : qt == kQ5_K ? 176 : qt == kQ6_K ? 210 : 0;
 }
 
 inline float half_at(const uint8_t* p) {
@@ -52,9 +70,57 @@ inline float half_at(const uint8_t* p) {
 #endif
 }
 
-// Scalar expansion of one block into w[32]; the reference every vector variant matches.
+// Q4_K / Q5_K sub-block s: scale d * sc[s] and min dmin * m[s] (6-bit sc, m packed in bytes
+// 4 .. 16 as gguf-py's Q4_K.get_scale_min unpacks them). Both products are exact in fp32.
+inline void kq_scale_min(const uint8_t* b, int s, float& ds, float& ms) {
+  const uint8_t* p = b + 4;
+  int sc, m;
+  if (s < 4) {
+    sc = p[s] & 63;
+    m = p[s + 4] & 63;
+  } else {
+    sc = (p[s + 4] & 0x0F) | ((p[s - 4] >> 6) << 4);
+    m = (p[s + 4] >> 4) | ((p[s] >> 6) << 4);
+  }
+  ds = half_at(b) * static_cast<float>(sc);
+  ms = half_at(b + 2) * static_cast<float>(m);
+}
+
+// Q6_K: the scale of weights 16 i .. 16 i + 15 of the super-block.
+inline float q6k_scale(const uint8_t* b, int i) {
+  return half_at(b + 208) * static_cast<float>(static_cast<int8_t>(b[192 + i]));
+}
+
+// The 32 quants of K-quant sub-block s, as integers (Q4_K 0..15, Q5_K 0..31, Q6_K -32..31).
 template <int64_t QT>
-inline void expand_scalar(const uint8_t* b, float* w) {
+inline int kq_quant(const uint8_t* b, int s, int i) {
+  if constexpr (QT == kQ4_K) {
+    return (b[16 + 32 * (s / 2) + i] >> (4 * (s % 2))) & 0x0F;
+  } else if constexpr (QT == kQ5_K) {
+    return ((b[48 + 32 * (s / 2) + i] >> (4 * (s % 2))) & 0x0F) | (((b[16 + i] >> s) & 1) << 4);
+  } else {
+    const int t = s % 4, h = s / 4;
+    const int lo = (b[64 * h + 32 * (t & 1) + i] >> (4 * (t >> 1))) & 0x0F;
+    const int hi = (b[128 + 32 * h + i] >> (2 * t)) & 3;
+    return (lo | (hi << 4)) - 32;
+  }
+}
+
+// Scalar expansion of (sub-)block s of the block at b into w[32]; the reference every vector
+// variant matches.
+template <int64_t QT>
+inline void expand_scalar(const uint8_t* b, int s, float* w) {
+  if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    float ds, ms;
+    kq_scale_min(b, s, ds, ms);
+    for (int i = 0; i < QK; ++i) w[i] = std::fma(ds, static_cast<float>(kq_quant<QT>(b, s, i)), -ms);
+    return;
+  } else if constexpr (QT == kQ6_K) {
+    const float d0 = q6k_scale(b, 2 * s), d1 = q6k_scale(b, 2 * s + 1);
+    for (int i = 0; i < QK; ++i)
+      w[i] = (i < 16 ? d0 : d1) * static_cast<float>(kq_quant<QT>(b, s, i));
+    return;
+  }
   const float d = half_at(b);
   if constexpr (QT == kQ4_0) {
     for (int j = 0; j < 16; ++j) {
@@ -72,6 +138,34 @@ inline void expand_scalar(const uint8_t* b, float* w) {
   }
 }
 
+#if defined(__AVX2__)
+inline __m256i srl8(__m256i v, int n, int mask) {  // per byte: (v >> n) & mask
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(n)), _mm256_set1_epi8(mask));
+}
+inline __m256i load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// kq_quant for all 32 weights of sub-block s at once, as bytes (int8 for Q6_K, else uint8).
+template <int64_t QT>
+inline __m256i kq_quants(const uint8_t* b, int s) {
+  if constexpr (QT == kQ4_K) {
+    return srl8(load32(b + 16 + 32 * (s / 2)), 4 * (s % 2), 0x0F);
+  } else if constexpr (QT == kQ5_K) {
+    const __m256i hi = _mm256_slli_epi16(srl8(load32(b + 16), s, 1), 4);
+    return _mm256_or_si256(srl8(load32(b + 48 + 32 * (s / 2)), 4 * (s % 2), 0x0F), hi);
+  } else {
+    const int t = s % 4, h = s / 4;
+    const __m256i lo = srl8(load32(b + 64 * h + 32 * (t & 1)), 4 * (t >> 1), 0x0F);
+    const __m256i hi = _mm256_slli_epi16(srl8(load32(b + 128 + 32 * h), 2 * t, 3), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+  }
+}
+#endif
+
+template <int64_t QT, typename V>
+inline void expand_k(const uint8_t* b, int s, V* w);
+
 #if defined(__AVX512F__)
 constexpr int VL = 16;
 using vec = __m512;
@@ -79,17 +173,30 @@ inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 inline vec u8_to_f(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)); }
 
+inline vec i8_to_f(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
+
+// The bytes of vector j of a sub-block's 32 quants (j = 0, 1).
+inline __m128i lane_bytes(__m256i q, int j) {
+  return j == 0 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+}
+inline vec vset1(float f) { return _mm512_set1_ps(f); }
+
 template <int64_t QT>
-inline void expand(const uint8_t* b, vec* w) {  // 2 vectors
+inline void expand(const uint8_t* b, int s, vec* w) {  // 2 vectors
+  if constexpr (is_kquant(QT)) {
+    expand_k<QT>(b, s, w);
+    return;
+  }
   const vec d = _mm512_set1_ps(half_at(b));
   if constexpr (QT == kQ8_0) {
     for (int j = 0; j < 2; ++j) {
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * j));
-      w[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+      w[j] = _mm512_mul_ps(d, i8_to_f(q));
     }
   } else {
     const uint8_t* qs = b + (QT == kQ4_1 ? 4 : 2);
@@ -116,6 +223,7 @@ inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline float vsum(vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -125,13 +233,26 @@ inline float vsum(vec v) {
 }
 inline vec u8_to_f(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)); }
 
+inline vec i8_to_f(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)); }
+
+// The bytes of vector j of a sub-block's 32 quants (j = 0 .. 3; the low 8 of the result).
+inline __m128i lane_bytes(__m256i q, int j) {
+  const __m128i half = j < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+  return j % 2 ? _mm_srli_si128(half, 8) : half;
+}
+inline vec vset1(float f) { return _mm256_set1_ps(f); }
+
 template <int64_t QT>
-inline void expand(const uint8_t* b, vec* w) {  // 4 vectors
+inline void expand(const uint8_t* b, int s, vec* w) {  // 4 vectors
+  if constexpr (is_kquant(QT)) {
+    expand_k<QT>(b, s, w);
+    return;
+  }
   const vec d = _mm256_set1_ps(half_at(b));
   if constexpr (QT == kQ8_0) {
     for (int j = 0; j < 4; ++j) {
       const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j));
-      w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+      w[j] = _mm256_mul_ps(d, i8_to_f(q));
     }
   } else {
     const uint8_t* qs = b + (QT == kQ4_1 ? 4 : 2);
@@ -153,6 +274,24 @@ inline void expand(const uint8_t* b, vec* w) {  // 4 vectors
 #define PDSERVE_SIMD "avx2"
 #else
 #define PDSERVE_SIMD "scalar"
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// K-quant sub-block s: unpack its 32 quant bytes (AVX2 byte ops, either vector build), widen
+// them to 32 / VL vectors and scale: fma(d * sc, q, -(dmin * m)), or Q6_K's (d * scale) * q.
+template <int64_t QT, typename V>
+inline void expand_k(const uint8_t* b, int s, V* w) {
+  const __m256i q = kq_quants<QT>(b, s);
+  if constexpr (QT == kQ6_K) {
+    for (int j = 0; j < QK / VL; ++j)
+      w[j] = vmul(vset1(q6k_scale(b, 2 * s + j * VL / 16)), i8_to_f(lane_bytes(q, j)));
+  } else {
+    float ds, ms;
+    kq_scale_min(b, s, ds, ms);
+    const V d = vset1(ds), m = vset1(-ms);
+    for (int j = 0; j < QK / VL; ++j) w[j] = vfma(d, u8_to_f(lane_bytes(q, j)), m);
+  }
+}
 #endif
 
 struct Gemm {
@@ -185,14 +324,15 @@ inline void dot_tile(const Gemm& g, int64_t n, int64_t m0) {
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = vzero();
   const uint8_t* wr = g.w + n * g.row_bytes;
-  const int64_t nb = g.K / QK;
-  const int64_t bb = block_bytes(QT);
+  const int64_t nb = g.K / block_size(QT);
   for (int64_t b = 0; b < nb; ++b) {
-    vec w[NV];
-    expand<QT>(wr + b * bb, w);
-    for (int r = 0; r < R; ++r) {
-      const float* xr = g.x + (m0 + r) * g.sx + b * QK;
-      for (int j = 0; j < NV; ++j) acc[r][j] = vfma(w[j], vload(xr + j * VL), acc[r][j]);
+    for (int s = 0; s < subs(QT); ++s) {
+      vec w[NV];
+      expand<QT>(wr + b * block_bytes(QT), s, w);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = g.x + (m0 + r) * g.sx + (b * subs(QT) + s) * QK;
+        for (int j = 0; j < NV; ++j) acc[r][j] = vfma(w[j], vload(xr + j * VL), acc[r][j]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -214,10 +354,12 @@ void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
 
 template <int64_t QT>
 void expand_row(const uint8_t* row, int64_t K, float* out) {
-  for (int64_t b = 0; b < K / QK; ++b) {
-    vec w[NV];
-    expand<QT>(row + b * block_bytes(QT), w);
-    for (int j = 0; j < NV; ++j) vstore(out + b * QK + j * VL, w[j]);
+  for (int64_t b = 0; b < K / block_size(QT); ++b) {
+    for (int s = 0; s < subs(QT); ++s) {
+      vec w[NV];
+      expand<QT>(row + b * block_bytes(QT), s, w);
+      for (int j = 0; j < NV; ++j) vstore(out + (b * subs(QT) + s) * QK + j * VL, w[j]);
+    }
   }
 }
 
@@ -271,14 +413,14 @@ void gemm_panels(const Gemm& g, int64_t n0, int64_t n1, float* scratch) {
 template <int64_t QT>
 void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
   float w[QK];
-  const int64_t nb = g.K / QK;
+  const int64_t nb = g.K / QK;  // sub-blocks per row
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = g.w + n * g.row_bytes;
     for (int64_t m = 0; m < g.M; ++m) {
       float acc[QK] = {};
       const float* xr = g.x + m * g.sx;
       for (int64_t b = 0; b < nb; ++b) {
-        expand_scalar<QT>(wr + b * block_bytes(QT), w);
+        expand_scalar<QT>(wr + b / subs(QT) * block_bytes(QT), b % subs(QT), w);
         for (int j = 0; j < QK; ++j) acc[j] += w[j] * xr[b * QK + j];
       }
       float s = 0.f;
@@ -290,17 +432,20 @@ void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
 
 template <int64_t QT>
 void expand_row(const uint8_t* row, int64_t K, float* out) {
-  for (int64_t b = 0; b < K / QK; ++b) expand_scalar<QT>(row + b * block_bytes(QT), out + b * QK);
+  for (int64_t b = 0; b < K / QK; ++b)
+    expand_scalar<QT>(row + b / subs(QT) * block_bytes(QT), b % subs(QT), out + b * QK);
 }
 #endif
 
 void check_weight(const char* what, const at::Tensor& w, int64_t qtype, int64_t K) {
-  TORCH_CHECK_VALUE(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, what,
-                    ": qtype must be Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", qtype);
-  TORCH_CHECK_VALUE(K > 0 && K % QK == 0, what, ": K must be a positive multiple of 32, got ", K);
+  TORCH_CHECK_VALUE(valid_qtype(qtype), what, ": qtype must be Q4_0 (2), Q4_1 (3), Q8_0 (8), "
+                    "Q4_K (12), Q5_K (13) or Q6_K (14), got ", qtype);
+  const int64_t bs = block_size(qtype);
+  TORCH_CHECK_VALUE(K > 0 && K % bs == 0, what, ": K must be a positive multiple of ", bs,
+                    ", got ", K);
   TORCH_CHECK_VALUE(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
-                        w.device().is_cpu() && w.size(1) == K / QK * block_bytes(qtype),
-                    what, ": weight must be contiguous uint8 CPU [N, K / 32 * ",
+                        w.device().is_cpu() && w.size(1) == K / bs * block_bytes(qtype),
+                    what, ": weight must be contiguous uint8 CPU [N, K / ", bs, " * ",
                     block_bytes(qtype), "], got ", w.sizes());
 }
 
@@ -309,7 +454,10 @@ void dispatch(int64_t qtype, F&& f) {
   switch (qtype) {
     case kQ4_0: f(std::integral_constant<int64_t, kQ4_0>{}); break;
     case kQ4_1: f(std::integral_constant<int64_t, kQ4_1>{}); break;
-    default: f(std::integral_constant<int64_t, kQ8_0>{}); break;
+    case kQ8_0: f(std::integral_constant<int64_t, kQ8_0>{}); break;
+    case kQ4_K: f(std::integral_constant<int64_t, kQ4_K>{}); break;
+    case kQ5_K: f(std::integral_constant<int64_t, kQ5_K>{}); break;
+    default: f(std::integral_constant<int64_t, kQ6_K>{}); break;  // check_weight ran first
   }
 }
 
@@ -319,7 +467,7 @@ void dispatch(int64_t qtype, F&& f) {
 // beats re-expanding blocks in registers per row tile (quant/crossover.py measures both).
 constexpr int64_t PANEL_MIN_M = 4;
 
-// x [M, K] fp32 (unit column stride; rows may be strided), w [N, K / 32 * block_bytes] uint8,
+// x [M, K] fp32 (unit column stride; rows may be strided), w [N, K / block_size * block_bytes] uint8,
 // bias [N] fp32 or None, residual [M, N] fp32 (unit column stride) or None -> [M, N] fp32.
 at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                        const c10::optional<at::Tensor>& bias,
@@ -373,7 +521,7 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
   return out;
 }
 
-// w [N, K / 32 * block_bytes] uint8 -> fp32 [R, K]: rows n0 .. n1 of the weight, or the rows
+// w [N, K / block_size * block_bytes] uint8 -> fp32 [R, K]: rows n0 .. n1 of the weight, or the rows
 // listed in `rows` (int64, each checked in [0, N)) when given.
 at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t n0, int64_t n1,
                       const c10::optional<at::Tensor>& rows) {
