@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -73,29 +72,15 @@ def _rank(rank: int, world: int, port: int, shm_path: str, reps: int, out_path: 
 
 def run(world: int, reps: int) -> dict[int, dict[str, float]]:
     """{rows: {"gloo_us": median, "shm_us": median}}; each rank a fresh interpreter."""
-    import socket
-    import subprocess
-    import tempfile
+    from pdserve.bench.rank_procs import run_ranks
 
-    from pdserve.common.distributed.shm_comm import make_buffers
+    def argv(r: int, port: int, shm: str, out: str) -> list[str]:
+        return [sys.executable, "-m", "pdserve.bench.allreduce_cpu", "--rank", str(r),
+                "--world", str(world), "--port", str(port), "--shm", shm, "--reps", str(reps),
+                "--out", out]
 
-    with socket.socket() as s:  # a free port for rank 0's store
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    bufs = make_buffers(world, max(ROWS) * HIDDEN)
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        try:
-            procs = [subprocess.Popen([sys.executable, "-m", "pdserve.bench.allreduce_cpu",
-                                       "--rank", str(r), "--world", str(world), "--port",
-                                       str(port), "--shm", bufs.path, "--reps", str(reps),
-                                       "--out", out.name]) for r in range(world)]
-            codes = [p.wait() for p in procs]
-        finally:
-            os.unlink(bufs.path)
-        if any(codes):
-            raise RuntimeError(f"an all-reduce rank failed (exit codes {codes})")
-        with open(out.name) as f:
-            return {int(k): v for k, v in json.load(f).items()}
+    got = run_ranks(world, max(ROWS) * HIDDEN, argv, "an all-reduce")
+    return {int(k): v for k, v in got.items()}
 
 
 def main(argv=None) -> int:

@@ -93,28 +93,14 @@ def _rank(rank: int, port: int, shm_path: str, reps: int, out_path: str) -> None
 
 def run(reps: int) -> dict[str, dict[str, float]]:
     """{"hidden_8x576": {"gloo_us": one-way median, "shm_us": ...}, ...}."""
-    import socket
-    import subprocess
-    import tempfile
+    from pdserve.bench.rank_procs import run_ranks
 
-    from pdserve.common.distributed.shm_comm import make_buffers
+    def argv(r: int, port: int, shm: str, out: str) -> list[str]:
+        spec = {"port": port, "shm": shm, "reps": reps, "out": out, "rank": r}
+        return [sys.executable, "-m", "pdserve.bench.offline_pp_handoff", "--rank-spec",
+                json.dumps(spec)]
 
-    with socket.socket() as s:  # a free port for rank 0's store
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    bufs = make_buffers(2, _slot())
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        spec = {"port": port, "shm": bufs.path, "reps": reps, "out": out.name}
-        cmd = [sys.executable, "-m", "pdserve.bench.offline_pp_handoff", "--rank-spec"]
-        try:
-            procs = [subprocess.Popen(cmd + [json.dumps(dict(spec, rank=r))]) for r in (0, 1)]
-            codes = [p.wait() for p in procs]
-        finally:
-            os.unlink(bufs.path)
-        if any(codes):
-            raise RuntimeError(f"a hand-off rank failed (exit codes {codes})")
-        with open(out.name) as f:
-            return json.load(f)
+    return run_ranks(2, _slot(), argv, "a hand-off")
 
 
 def main(argv=None) -> int:
