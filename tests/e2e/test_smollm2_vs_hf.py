@@ -12,26 +12,10 @@ import torch
 from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.common.engine.llm import LLM
 from pdserve.common.sampling_params import SamplingParams
-
-MAX_TOKENS = 24
+from pdserve.tests.e2e.reference import MAX_TOKENS
 NEAR_TIE = 0.05  # nats
 LOGIT_ATOL = 2e-3  # first-step logits, absolute (logits are O(10))
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2)
-
-
-@pytest.fixture(scope="module")
-def hf_reference(hf_model, chat_prompts):
-    """Per prompt: transformers' greedy tokens and its log-softmax at every step."""
-    refs = []
-    with torch.inference_mode():
-        for ids in chat_prompts:
-            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS,
-                                    do_sample=False, output_scores=True,
-                                    return_dict_in_generate=True, pad_token_id=2)
-            toks = out.sequences[0, len(ids):].tolist()
-            lps = [s[0].float().log_softmax(-1) for s in out.scores]
-            refs.append((toks, lps))
-    return refs
 
 
 def _engine(smollm2, **kw):

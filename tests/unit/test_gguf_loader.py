@@ -25,10 +25,8 @@ def ours(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(
-        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32)
+def hf_model(hf_smollm2):
+    return hf_smollm2
 
 
 def test_smollm2_weights_equal_transformers(ours, hf_model):
