@@ -1,6 +1,7 @@
 """Native CPU kernels (cpu_kernels/*.cpp), built just in time into one module: paged decode
 attention (paged_attention.cpp), paged prefill attention (prefill_attention.cpp), the fused layer
-step and RMSNorm (layer_ops.cpp, which also holds the bindings).
+step and RMSNorm (layer_ops.cpp); the Python bindings (bindings.cpp, the one translation unit
+that pays for <torch/extension.h>).
 
 Why native: on the CPU the torch path's gather of the paged KV into dense tensors costs more than
 the attention itself; the kernels read each K/V row straight through the block table.
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent / "cpu_kernels"
 SOURCES = tuple(KERNEL_DIR / n for n in ("paged_attention.cpp", "prefill_attention.cpp",
-                                           "layer_ops.cpp"))
+                                           "layer_ops.cpp", "bindings.cpp"))
 _OK_MARKER = "BUILD_OK"  # written after a successful build: the .so is complete and loads
 ISA_CHOICES = ("native", "avx2", "scalar")  # PDSERVE_CPU_ISA
 

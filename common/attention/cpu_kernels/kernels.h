@@ -1,8 +1,14 @@
 // Declarations shared by the native CPU kernels' translation units (built together into one
 // module by pdserve/common/attention/cpu_native.py).
+//
+// Only ATen's tensor and parallel_for headers here (outputs come from Tensor::new_empty):
+// <torch/extension.h> (all of torch's C++ API plus pybind11) costs ~45 s of compile time per
+// translation unit, so only the bindings (bindings.cpp) include it.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -132,3 +138,11 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
                    const at::Tensor& query_start_loc, int64_t first_req, double scale,
                    const at::Tensor& out);
+
+// layer_ops.cpp
+at::Tensor attention_step(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, int64_t num_decodes, double scale,
+                          int64_t num_heads);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);

@@ -104,7 +104,7 @@ at::Tensor attention_step(const at::Tensor& qkv, const at::Tensor& cos, const at
                       "slot_mapping[", r, "] = ", slots[r], " is outside the cache's ",
                       num_blocks * bs, " slots");
 
-  at::Tensor q = at::empty({n, num_heads, d}, qkv.options());
+  at::Tensor q = qkv.new_empty({n, num_heads, d});
   float* qp = q.data_ptr<float>();
   const float* x = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -132,7 +132,7 @@ at::Tensor attention_step(const at::Tensor& qkv, const at::Tensor& cos, const at
       }
     });
   });
-  at::Tensor out = at::empty({n, num_heads, d}, qkv.options());
+  at::Tensor out = qkv.new_empty({n, num_heads, d});
   if (num_decodes > 0)
     paged_decode(q.narrow(0, 0, num_decodes), kv_cache, block_tables.narrow(0, 0, num_decodes),
                  seq_lens.narrow(0, 0, num_decodes), scale, out.narrow(0, 0, num_decodes), 0);
@@ -152,7 +152,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == n && w.scalar_type() == at::kFloat &&
                         w.is_contiguous() && w.device().is_cpu(),
                     "rms_norm: weight must be contiguous float32 [", n, "], got ", w.sizes());
-  at::Tensor y = at::empty({rows, n}, x.options());
+  at::Tensor y = x.new_empty({rows, n});
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -168,43 +168,4 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     }
   });
   return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // The GIL is released while a kernel runs (nothing here touches Python objects): the services
-  // run the engine in a thread beside their asyncio loop, which goes on meanwhile.
-  using release = py::call_guard<py::gil_scoped_release>;
-  m.def("paged_decode", &paged_decode, "Paged decode attention (CPU, fp32)", release(),
-        py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("out") = py::none(),
-        // kv heads per work item, 0 = auto (exposed for the benchmark and tests)
-        py::arg("heads_per_item") = 0);
-  m.def("paged_prefill", &paged_prefill,
-        "Paged prefill attention of requests first_req.. into out (CPU, fp32)", release(),
-        py::arg("query"),
-        py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("query_start_loc"), py::arg("first_req"), py::arg("scale"), py::arg("out"));
-  m.def("attention_step", &attention_step,
-        "Fused layer attention: rotary, KV write, paged decode + prefill attention (CPU, fp32)",
-        release(),
-        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"),
-        py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("query_start_loc"), py::arg("num_decodes"), py::arg("scale"),
-        py::arg("num_heads"));
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)", release(), py::arg("x"),
-        py::arg("weight"), py::arg("eps"));
-#if defined(__AVX512F__)
-  m.attr("simd") = "avx512";
-#elif defined(__AVX2__) && defined(__FMA__)
-  m.attr("simd") = "avx2";
-#else
-  m.attr("simd") = "scalar";
-#endif
-  // the prefill kernel's vectors only pay with AVX2 or wider (scalar code is ~6x slower than
-  // torch's SDPA); callers use SDPA where this is false
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  m.attr("fast_prefill") = true;
-#else
-  m.attr("fast_prefill") = false;
-#endif
 }

@@ -18,8 +18,6 @@
 
 #include "kernels.h"
 
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -379,7 +377,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
                       "paged_decode: out must be a contiguous float32 CPU tensor of shape ",
                       query.sizes());
   } else {
-    out = at::empty({num_reqs, heads, d}, query.options());
+    out = query.new_empty({num_reqs, heads, d});
   }
   if (num_reqs == 0) return out;
 
