@@ -31,20 +31,21 @@ def hf_model(name, tmp_path):
     return build_hf_model(tmp_path, hidden, heads, kv_heads, 320, tied, layers=3)
 
 
-def engine_config(tp, pp, num_blocks=64, budget=16, block_size=16):
+def engine_config(tp, pp, num_blocks=64, budget=16, block_size=16, all_reduce="auto"):
     return EngineConfig(model="tiny", num_threads=1,
                         cache=CacheConfig(num_blocks=num_blocks, block_size=block_size),
                         scheduler=SchedulerConfig(max_num_batched_tokens=budget,
                                                   max_model_len=256),
                         parallel=ParallelConfig(tensor_parallel_size=tp,
-                                                pipeline_parallel_size=pp))
+                                                pipeline_parallel_size=pp,
+                                                all_reduce=all_reduce))
 
 
-def generate(loaded, tp, pp, num_blocks=64, block_size=16):
+def generate(loaded, tp, pp, num_blocks=64, block_size=16, all_reduce="auto"):
     """Tokens of PROMPTS, then of the last prompt again (a prefix hit on its full blocks:
     with P > 1 the first run's prompts are in flight together, before any block is cached)."""
-    return run_engine(engine_config(tp, pp, num_blocks, block_size=block_size), loaded,
-                      PROMPTS, PROMPTS[-1:])
+    return run_engine(engine_config(tp, pp, num_blocks, block_size=block_size,
+                                    all_reduce=all_reduce), loaded, PROMPTS, PROMPTS[-1:])
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -57,6 +58,15 @@ def test_greedy_pp_equals_pp1_and_transformers(name, tmp_path):
         got, stats = generate(loaded, tp, pp)
         assert got == ref, (name, tp, pp)
         assert stats.prefix_cache_hits >= 32  # the repeated prompt reused its 2 full blocks
+
+
+def test_tp2_pp2_summing_over_per_stage_gloo_subgroups_equals_pp1(tmp_path):
+    """`all_reduce="gloo"`: each stage's TP ranks all-reduce in their own gloo subgroup (the
+    default path sums through per-stage shared memory instead)."""
+    _, loaded = hf_model("gqa", tmp_path)
+    single, _ = generate(loaded, 1, 1)
+    got, _ = generate(loaded, 2, 2, all_reduce="gloo")
+    assert got == single
 
 
 def test_greedy_pp2_with_preemption(tmp_path):
