@@ -8,8 +8,8 @@ one by one and win over the folder. None of them: plaintext.
 from __future__ import annotations
 
 import argparse
-import tempfile
 
+from pdserve.services.common.private_dir import PrivateRunDir
 from pdserve.services.common.tls import TlsConfig
 
 
@@ -33,10 +33,9 @@ def tls_argv(tls_dir: str) -> list[str]:
     return ["--tls-dir", tls_dir] if tls_dir else []
 
 
-
-
 class RunSecrets:
-    """`pdserve up`'s secrets, in a new private folder (0700) that `close()` removes: a fresh
+    """`pdserve up`'s secrets, in a new private folder (0700) that `close()` removes, and that
+    the next run removes if this one was killed first (services/common/private_dir.py): a fresh
     CA and per-role certificates (the code of `pdserve certs`) in `tls_dir` ("" with
     `insecure`; `given_tls_dir` when one is given, which stays), and room for the run's Redis
     password (services/common/redis_auth.py)."""
@@ -44,8 +43,8 @@ class RunSecrets:
     def __init__(self, insecure: bool, given_tls_dir: str = ""):
         if insecure and given_tls_dir:
             raise ValueError("--insecure and --tls-dir contradict each other")
-        self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-secrets-")
-        self.dir = self._tmp.name
+        self._dir = PrivateRunDir("pdserve-secrets-")
+        self.dir = self._dir.path
         self.tls_dir = given_tls_dir
         if not insecure and not given_tls_dir:
             from pdserve.services.common.certs import make_certs
@@ -54,4 +53,4 @@ class RunSecrets:
             make_certs(self.tls_dir)
 
     def close(self) -> None:
-        self._tmp.cleanup()
+        self._dir.close()

@@ -76,7 +76,7 @@ def test_up_secrets_folder(tmp_path):
     secrets.close()
     assert not folder.exists()
     plain = RunSecrets(insecure=True)
-    assert plain.tls_dir == "" and os.listdir(plain.dir) == []
+    assert plain.tls_dir == "" and os.listdir(plain.dir) == ["owner.pid"]
     plain.close()
     given = RunSecrets(insecure=False, given_tls_dir=str(tmp_path))  # `up --tls-dir`
     assert given.tls_dir == str(tmp_path) and not os.listdir(tmp_path)  # used, not made
@@ -110,3 +110,27 @@ def test_redis_refuses_clients_without_the_password(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_killed_runs_secrets_are_removed_by_the_next_run(tmp_path):
+    """A SIGKILLed `pdserve up` cannot remove its folder of keys; the next run does, and leaves
+    a live run's folder and a folder without an owner file alone."""
+    import sys
+
+    from pdserve.services.common.private_dir import OWNER_FILE, PrivateRunDir
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / "s-dead").mkdir()
+    (tmp_path / "s-dead" / OWNER_FILE).write_text(dead)
+    (tmp_path / "s-dead" / "ca-key.pem").write_text("secret")
+    (tmp_path / "s-unowned").mkdir()
+    live = PrivateRunDir("s-", root=str(tmp_path))
+    second = PrivateRunDir("s-", root=str(tmp_path))
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert "s-dead" not in left and "s-unowned" in left
+    assert Path(live.path).name in left and Path(second.path).name in left
+    assert (Path(live.path) / OWNER_FILE).read_text() == str(os.getpid())
+    live.close()
+    second.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s-unowned"]
