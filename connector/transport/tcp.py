@@ -80,7 +80,10 @@ async def _recv_bulk(loop, sock: socket.socket, view: memoryview) -> None:
             got += n
     finally:
         if sock.fileno() >= 0:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            try:  # back to the default for the small reads that follow
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            except OSError:
+                pass  # the connection broke: it is closed by our caller
 
 
 async def _readable(loop, fd: int) -> None:
