@@ -13,7 +13,9 @@ The contenders:
 - `socket`: the baseline. Blocking `sendall` of an 8-byte length, `sendall` of the payload,
   `recv_into` of a 1-byte ack, over loopback; the server receives into its buffer.
 - `tcp`: the KV transport (connector/transport/tcp.py, asyncio's non-blocking socket calls)
-  with a trivial handler that lands the payload in a preallocated buffer.
+  with a trivial handler that lands the payload in a preallocated buffer. Payloads of 64 KiB
+  and more go out by reference (vmsplice+splice, connector/transport/splice.py) unless
+  `--zero-copy off`, and are received with one wake-up per MiB (SO_RCVLOWAT).
 - `ucx`: the same over UCX (ucxx), where it is installed.
 - `tcp+cap`: the storage node's real write path with the store secret on. The server is a
   SegmentHandler over a Segment that checks the HMAC capability of every request before a
@@ -21,12 +23,13 @@ The contenders:
   per replica) and sends NodeOp WRITE requests, as KVStoreClient._write does.
 - `tcp+cap+mac`: `tcp+cap`, plus each block's MAC as the connector computes it on its save
   path (StoreKVConnector._put_many): BlockCodec.header (HMAC-SHA256 one-time key from a fresh
-  nonce, then Poly1305 over header and payload, connector/codec.py) on one worker thread,
-  the GIL released (connector/poly1305.py), the next block's MAC computed while this block
-  is sent. The first block's MAC is computed before it is sent; every MAC is waited for
-  before the send after it, so each block's MAC is inside the timed loop.
-- `tcp+cap+hmac`: the same with the previous construction (format version 2),
-  HMAC-SHA256 over the payload (hashlib, which also releases the GIL), for comparison.
+  nonce, then GMAC over header and payload, connector/codec.py, format version 4) on one
+  worker thread, the GIL released (connector/gmac.py), the next block's MAC computed while
+  this block is sent. The first block's MAC is computed before it is sent; every MAC is
+  waited for before the send after it, so each block's MAC is inside the timed loop.
+- `tcp+cap+poly1305`, `tcp+cap+hmac`: the same with the previous constructions, for
+  comparison: Poly1305 under a one-time key (format version 3, connector/poly1305.py) and
+  HMAC-SHA256 over the payload (format version 2, hashlib; both release the GIL).
 
 The MAC contenders compute each block's header but send the same `size` bytes as the others
 (a real block's 128-byte header is part of its size). No contender talks to a master: the
