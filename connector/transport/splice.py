@@ -38,6 +38,10 @@ PIPE_BYTES = 1 << 20  # pages per vmsplice/splice round: /proc/sys/fs/pipe-max-s
 MIN_SPLICE_BYTES = 64 << 10  # below this a copy costs less than the two extra syscalls
 
 
+class SpliceRefused(OSError):
+    """vmsplice took none of a payload (memory it cannot map): send it by copy instead."""
+
+
 class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
@@ -95,6 +99,8 @@ class Splicer:
             n = self._vmsplice(self._w, ctypes.byref(iov), 1, _SPLICE_F_NONBLOCK)
             if n <= 0:
                 err = ctypes.get_errno()
+                if sent == 0:  # nothing of this payload is out: the caller may copy it
+                    raise SpliceRefused(err, f"vmsplice: {os.strerror(err)}")
                 raise OSError(err, f"vmsplice: {os.strerror(err)}")
             while n:
                 try:

@@ -22,7 +22,7 @@ from pdserve.connector.transport import framing
 from pdserve.connector.transport.base import (Buffer, Connection, FrameRejected, Listener,
                                               Message, RequestHandler, Transport,
                                               TransportError, as_bytes_view, split_addr)
-from pdserve.connector.transport.splice import MIN_SPLICE_BYTES, Splicer
+from pdserve.connector.transport.splice import MIN_SPLICE_BYTES, SpliceRefused, Splicer
 
 _REQUESTS = (framing.KIND_REQUEST,)
 _RESPONSES = (framing.KIND_OK, framing.KIND_ERROR)
@@ -99,8 +99,11 @@ async def _send_frame(loop, sock, kind: int, header: bytes, payload: memoryview,
                       splicer: Optional[Splicer] = None) -> None:
     await loop.sock_sendall(sock, framing.pack(kind, header, len(payload)))
     if splicer is not None and len(payload) >= MIN_SPLICE_BYTES:
-        await splicer.send(loop, sock, payload)
-    elif len(payload):
+        try:
+            return await splicer.send(loop, sock, payload)
+        except SpliceRefused:
+            pass  # nothing of it was sent: copy it
+    if len(payload):
         await loop.sock_sendall(sock, payload)
 
 

@@ -146,3 +146,23 @@ def test_a_request_given_up_mid_send_never_delivers_the_rest():
     _run(main())
     th.join(15)
     assert got[0] == "reset" and got[1] < n
+
+
+@linux_only
+def test_a_payload_vmsplice_refuses_goes_by_copy(monkeypatch):
+    """Memory vmsplice cannot map (simulated: it fails before taking a byte) is copied."""
+    sink = _Sink(1 << 20)
+    payload = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)[: 1 << 20]
+
+    async def main():
+        lst = await TcpTransport().listen("127.0.0.1", 0, sink)
+        conn = await TcpTransport(zero_copy=True).connect(lst.address)
+        splicer = conn._splicer
+        monkeypatch.setattr(splicer, "_vmsplice", lambda *a: -1)
+        try:
+            assert (await conn.request(b"w", payload)).header == b"ok"
+            assert np.array_equal(sink.buf, payload)
+        finally:
+            await conn.close()
+            await lst.close()
+    _run(main())
