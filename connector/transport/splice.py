@@ -29,6 +29,7 @@ import socket
 from typing import Optional
 
 from pdserve.connector.cbuf import pinned_address
+from pdserve.connector.transport.fd_wait import fd_ready
 
 _F_SETPIPE_SZ = 1031  # linux/fcntl.h (F_LINUX_SPECIFIC_BASE + 7)
 _F_GETPIPE_SZ = 1032
@@ -58,15 +59,6 @@ def _vmsplice():
     fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_uint]
     fn.restype = ctypes.c_ssize_t
     return fn
-
-
-async def _writable(loop: asyncio.AbstractEventLoop, fd: int) -> None:
-    fut = loop.create_future()
-    loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
-    try:
-        await fut
-    finally:
-        loop.remove_writer(fd)
 
 
 class Splicer:
@@ -106,7 +98,7 @@ class Splicer:
                 try:
                     moved = os.splice(self._r, fd, n, flags=_SPLICE_F_MOVE | _SPLICE_F_NONBLOCK)
                 except BlockingIOError:
-                    await _writable(loop, fd)
+                    await fd_ready(loop, fd, write=True)
                     continue
                 if moved == 0:
                     raise OSError(errno.EPIPE, "splice: the socket took nothing")

@@ -22,6 +22,7 @@ from pdserve.connector.transport import framing
 from pdserve.connector.transport.base import (Buffer, Connection, FrameRejected, Listener,
                                               Message, RequestHandler, Transport,
                                               TransportError, as_bytes_view, split_addr)
+from pdserve.connector.transport.fd_wait import fd_ready
 from pdserve.connector.transport.splice import MIN_SPLICE_BYTES, SpliceRefused, Splicer
 
 _REQUESTS = (framing.KIND_REQUEST,)
@@ -73,7 +74,7 @@ async def _recv_bulk(loop, sock: socket.socket, view: memoryview) -> None:
             except (BlockingIOError, InterruptedError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT,
                                 min(len(view) - got, LOWAT_BYTES))
-                await _readable(loop, fd)
+                await fd_ready(loop, fd, write=False)
                 continue
             if n == 0:
                 raise TransportError("connection closed by peer")
@@ -84,15 +85,6 @@ async def _recv_bulk(loop, sock: socket.socket, view: memoryview) -> None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
             except OSError:
                 pass  # the connection broke: it is closed by our caller
-
-
-async def _readable(loop, fd: int) -> None:
-    fut = loop.create_future()
-    loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
-    try:
-        await fut
-    finally:
-        loop.remove_reader(fd)
 
 
 async def _send_frame(loop, sock, kind: int, header: bytes, payload: memoryview,

@@ -14,23 +14,13 @@ import pytest
 from pdserve.connector.transport import FunctionHandler, TransportError, framing
 from pdserve.connector.transport.splice import MIN_SPLICE_BYTES, PIPE_BYTES, Splicer
 from pdserve.connector.transport.tcp import TcpTransport
+from tests.unit.test_transport_roundtrip import _Landing as _Sink  # lands in place, answers ok
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="vmsplice is Linux")
 
 
 def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
-
-
-class _Sink:
-    def __init__(self, n):
-        self.buf = np.zeros(n, dtype=np.uint8)
-
-    def payload_buffer(self, header, nbytes):
-        return memoryview(self.buf)[:nbytes]
-
-    async def handle(self, header, payload):
-        return b"ok", b""
 
 
 @linux_only
