@@ -72,8 +72,7 @@ async def _recv_bulk(loop, sock: socket.socket, view: memoryview) -> None:
             try:
                 n = sock.recv_into(view[got:])
             except (BlockingIOError, InterruptedError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT,
-                                min(len(view) - got, LOWAT_BYTES))
+                _set_lowat(sock, min(len(view) - got, LOWAT_BYTES))
                 await fd_ready(loop, fd, write=False)
                 continue
             if n == 0:
@@ -81,10 +80,14 @@ async def _recv_bulk(loop, sock: socket.socket, view: memoryview) -> None:
             got += n
     finally:
         if sock.fileno() >= 0:
-            try:  # back to the default for the small reads that follow
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
-            except OSError:
-                pass  # the connection broke: it is closed by our caller
+            _set_lowat(sock, 1)  # back to the default for the small reads that follow
+
+
+def _set_lowat(sock: socket.socket, nbytes: int) -> None:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+    except OSError:  # not supported here (then one wake-up per arrival), or the socket broke
+        pass
 
 
 async def _send_frame(loop, sock, kind: int, header: bytes, payload: memoryview,
