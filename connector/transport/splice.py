@@ -35,6 +35,7 @@ _F_SETPIPE_SZ = 1031  # linux/fcntl.h (F_LINUX_SPECIFIC_BASE + 7)
 _F_GETPIPE_SZ = 1032
 _SPLICE_F_MOVE = 1
 _SPLICE_F_NONBLOCK = 2
+_SPLICE_F_MORE = 4
 PIPE_BYTES = 1 << 20  # pages per vmsplice/splice round: /proc/sys/fs/pipe-max-size's default
 MIN_SPLICE_BYTES = 64 << 10  # below this a copy costs less than the two extra syscalls
 
@@ -94,9 +95,12 @@ class Splicer:
                 if sent == 0:  # nothing of this payload is out: the caller may copy it
                     raise SpliceRefused(err, f"vmsplice: {os.strerror(err)}")
                 raise OSError(err, f"vmsplice: {os.strerror(err)}")
+            # SPLICE_F_MORE until the last round: the socket sends full segments, then pushes
+            more = _SPLICE_F_MORE if sent + n < total else 0
             while n:
                 try:
-                    moved = os.splice(self._r, fd, n, flags=_SPLICE_F_MOVE | _SPLICE_F_NONBLOCK)
+                    moved = os.splice(self._r, fd, n,
+                                      flags=_SPLICE_F_MOVE | _SPLICE_F_NONBLOCK | more)
                 except BlockingIOError:
                     await fd_ready(loop, fd, write=True)
                     continue
