@@ -8,7 +8,10 @@ tasks and closes the sockets.
 
 Why asyncio's `sock_recv_into`/`sock_sendall` and not StreamReader/StreamWriter: streams copy
 every byte through their own buffers, while these calls read into and send from the caller's
-memory, which is the zero-copy path the KV payloads need.
+memory, which is the zero-copy path the KV payloads need. Beyond them, for payloads of 64 KiB
+and more: a client sends by reference (vmsplice+splice, splice.py; no copy at all on the
+sending side), either side receives with one wake-up per MiB queued (SO_RCVLOWAT), and a
+frame's head waits under MSG_MORE for its payload, so the peer wakes once per request.
 """
 
 from __future__ import annotations
