@@ -20,7 +20,8 @@ from typing import Sequence
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from pdserve.connector.poly1305 import Buffer, evp_mac
+from pdserve.connector.cbuf import Buffer
+from pdserve.connector.poly1305 import evp_mac
 
 KEY_BYTES = 32  # AES-256
 TAG_BYTES = 16

@@ -17,15 +17,14 @@ import ctypes
 import ctypes.util
 import functools
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-from pdserve.connector.cbuf import pinned_address
+from pdserve.connector.cbuf import Buffer, pinned_address
 
 KEY_BYTES = 32
 TAG_BYTES = 16
-Buffer = Union[bytes, bytearray, memoryview]
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from pdserve.connector.transport import FunctionHandler, TransportError, framing
+from pdserve.connector.transport import TransportError, framing
 from pdserve.connector.transport.splice import MIN_SPLICE_BYTES, PIPE_BYTES, Splicer
 from pdserve.connector.transport.tcp import TcpTransport
 from tests.unit.test_transport_roundtrip import _Landing as _Sink  # lands in place, answers ok
