@@ -50,7 +50,7 @@ def test_wrong_key_corruption_and_truncation_are_rejected():
 
 
 def test_each_encoding_draws_a_fresh_nonce_and_a_mac_is_bound_to_its_nonce():
-    """The one-time MAC key comes from the nonce: the same block encoded twice gets two
+    """The one-time Poly1305 key comes from the nonce: the same block encoded twice gets two
     nonces (a repeated one-time key would be forgeable), and a tag moved under another
     nonce does not verify."""
     from pdserve.connector.codec import NONCE_BYTES
