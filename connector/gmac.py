@@ -5,8 +5,9 @@ Used with a one-time key per message (connector/codec.py derives it from a per-b
 so the fixed IV below never repeats under one key. Why GMAC and not Poly1305 for block MACs:
 GHASH runs on the carry-less multiply (PCLMULQDQ) that every x86-64 server since 2010 and
 every ARMv8 core with the crypto extension have, and on the 2-core AMD EPYC (AVX2, no AVX-512)
-this project benches on it ran about twice as fast as OpenSSL's Poly1305 (3.0 against 1.5 GB/s
-of CPU time over 0.7-16 MiB). Soundness: docs/kvstore-security.md, "The block MAC".
+this project benches on it ran about twice as fast as OpenSSL's Poly1305 (2.3-3.2 against
+1.4-1.6 GB/s of CPU time over 0.7-16 MiB). Soundness: docs/kvstore-security.md, "The block
+MAC".
 
 Where libcrypto 3 cannot be loaded, `gmac_tag` falls back to cryptography's AESGCM with the
 message as associated data (identical tags; GIL held, one copy of the message).
