@@ -13,7 +13,9 @@ The contenders:
 - `socket`: the baseline. Blocking `sendall` of an 8-byte length, `sendall` of the payload,
   `recv_into` of a 1-byte ack, over loopback; the server receives into its buffer.
 - `tcp`: the KV transport (connector/transport/tcp.py, asyncio's non-blocking socket calls)
-  with a trivial handler that lands the payload in a preallocated buffer.
+  with a trivial handler that lands the payload in a preallocated buffer. Payloads of 64 KiB
+  and more go out by reference (vmsplice+splice, connector/transport/splice.py) unless
+  `--zero-copy off`, and are received with one wake-up per MiB (SO_RCVLOWAT).
 - `ucx`: the same over UCX (ucxx), where it is installed.
 - `tcp+cap`: the storage node's real write path with the store secret on. The server is a
   SegmentHandler over a Segment that checks the HMAC capability of every request before a
@@ -21,12 +23,13 @@ The contenders:
   per replica) and sends NodeOp WRITE requests, as KVStoreClient._write does.
 - `tcp+cap+mac`: `tcp+cap`, plus each block's MAC as the connector computes it on its save
   path (StoreKVConnector._put_many): BlockCodec.header (HMAC-SHA256 one-time key from a fresh
-  nonce, then Poly1305 over header and payload, connector/codec.py) on one worker thread,
-  the GIL released (connector/poly1305.py), the next block's MAC computed while this block
-  is sent. The first block's MAC is computed before it is sent; every MAC is waited for
-  before the send after it, so each block's MAC is inside the timed loop.
-- `tcp+cap+hmac`: the same with the previous construction (format version 2),
-  HMAC-SHA256 over the payload (hashlib, which also releases the GIL), for comparison.
+  nonce, then GMAC over header and payload, connector/codec.py, format version 4) on one
+  worker thread, the GIL released (connector/gmac.py), the next block's MAC computed while
+  this block is sent. The first block's MAC is computed before it is sent; every MAC is
+  waited for before the send after it, so each block's MAC is inside the timed loop.
+- `tcp+cap+poly1305`, `tcp+cap+hmac`: the same with the previous constructions, for
+  comparison: Poly1305 under a one-time key (format version 3, connector/poly1305.py) and
+  HMAC-SHA256 over the payload (format version 2, hashlib; both release the GIL).
 
 The MAC contenders compute each block's header but send the same `size` bytes as the others
 (a real block's 128-byte header is part of its size). No contender talks to a master: the
@@ -50,7 +53,8 @@ import numpy as np
 
 MiB = 1 << 20
 _LEN = struct.Struct("!Q")
-CONTENDERS = ("socket", "tcp", "tcp+cap", "tcp+cap+mac", "tcp+cap+hmac", "ucx")
+CONTENDERS = ("socket", "tcp", "tcp+cap", "tcp+cap+mac", "tcp+cap+poly1305", "tcp+cap+hmac",
+              "ucx")
 _GRANT_KEY = b"bench-grant-key-0123456789abcdef"
 _MAC_KEY = b"bench-block-mac-0123456789abcdef"
 # 30 layers x (K, V) x 16 tokens x 3 KV heads x 64 dims x 4 bytes, plus the 128-byte header
@@ -79,6 +83,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rtt-iters", type=int, default=2000)
     p.add_argument("--transports", default=",".join(CONTENDERS))
+    p.add_argument("--zero-copy", choices=("on", "off"), default="on",
+                   help="tcp contenders: send payloads by reference (vmsplice+splice, "
+                        "Linux) or copy them (plain send)")
     p.add_argument("--ucx-progress-mode", default=None,
                    help="blocking|polling|thread|thread-polling; default: UcxConfig's")
 
@@ -141,13 +148,13 @@ async def _async_server(kind, max_size, progress_mode, conn) -> None:
     await asyncio.Event().wait()  # until the parent terminates us
 
 
-def _transport(kind: str, progress_mode: str):
+def _transport(kind: str, progress_mode: str, zero_copy: bool = True):
     from pdserve.connector.transport.tcp import TcpTransport
     from pdserve.connector.transport.ucx import UcxConfig, UcxTransport
 
     if kind == "ucx":
         return UcxTransport(UcxConfig(progress_mode=progress_mode) if progress_mode else None)
-    return TcpTransport()
+    return TcpTransport(zero_copy=zero_copy)
 
 
 # ---- client side -----------------------------------------------------------------------
@@ -209,7 +216,8 @@ async def _raw_client(port: int, args, sizes, cpu) -> dict:
 
 
 async def _transport_client(kind: str, port: int, args, sizes, cpu) -> dict:
-    conn = await _transport(kind, args.ucx_progress_mode).connect(f"127.0.0.1:{port}")
+    conn = await _transport(kind, args.ucx_progress_mode, args.zero_copy == "on").connect(
+        f"127.0.0.1:{port}")
 
     async def send(payload: memoryview) -> None:
         await conn.request(b"put", payload)
@@ -231,7 +239,7 @@ def _secured_send(conn, mac_kind: str):
     from pdserve.connector.kvstore.node_protocol import WRITE, NodeOp
 
     loop = asyncio.get_running_loop()
-    mac = {"mac": _codec_mac(), "hmac": _hmac_sha256}.get(mac_kind)
+    mac = {"mac": _codec_mac(), "poly1305": _poly1305_v3, "hmac": _hmac_sha256}.get(mac_kind)
     pool = ThreadPoolExecutor(1, thread_name_prefix="bench-mac")
     pending = []  # the MAC of the block to send next, computed while this one is sent
 
@@ -253,6 +261,17 @@ def _codec_mac():
 
     codec = BlockCodec("0f" * 32, 1, 1, 1, 1, mac_key=_MAC_KEY)  # geometry is not checked here
     return lambda payload: codec.header(b"k" * 32, payload)
+
+
+def _poly1305_v3(payload: memoryview) -> bytes:
+    """Format version 3's MAC: Poly1305 under the same kind of one-time key."""
+    import hashlib
+    import hmac
+
+    from pdserve.connector.poly1305 import poly1305_tag
+
+    one_time_key = hmac.digest(_MAC_KEY, b"pdkv-poly1305-otk\0" + os.urandom(16), hashlib.sha256)
+    return poly1305_tag(one_time_key, (bytes(128), payload))
 
 
 def _hmac_sha256(payload: memoryview) -> bytes:

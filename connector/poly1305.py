@@ -17,35 +17,37 @@ import ctypes
 import ctypes.util
 import functools
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
-import numpy as np
 from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+from pdserve.connector.cbuf import Buffer, pinned_address
 
 KEY_BYTES = 32
 TAG_BYTES = 16
-Buffer = Union[bytes, bytearray, memoryview]
 
 
 @dataclass(frozen=True)
-class _EvpMac:
-    """libcrypto's EVP_MAC entry points and the fetched POLY1305 algorithm (shared by threads:
-    an EVP_MAC is read-only once fetched; each tag gets its own EVP_MAC_CTX)."""
+class EvpMac:
+    """libcrypto's EVP_MAC entry points and one fetched algorithm (shared by threads: an
+    EVP_MAC is read-only once fetched; each tag gets its own EVP_MAC_CTX)."""
     lib: ctypes.CDLL
     mac: int  # EVP_MAC *
 
-    def tag(self, key: bytes, parts: Sequence[Buffer]) -> bytes:
+    def tag(self, key: bytes, parts: Sequence[Buffer], params=None) -> bytes:
+        """The MAC of the concatenated parts; `params`: an OSSL_PARAM array (gmac.py)."""
         ctx = self.lib.EVP_MAC_CTX_new(self.mac)
         if not ctx:
             raise MemoryError("EVP_MAC_CTX_new failed")
         try:
-            if self.lib.EVP_MAC_init(ctx, key, len(key), None) != 1:
-                raise ValueError("EVP_MAC_init(POLY1305) failed")
+            if self.lib.EVP_MAC_init(ctx, key, len(key), params) != 1:
+                raise ValueError("EVP_MAC_init failed")
             for part in parts:
                 if len(part):
-                    pinned = _Pinned(part)  # holds the buffer for the call
-                    if self.lib.EVP_MAC_update(ctx, pinned.address, pinned.nbytes) != 1:
+                    keep, address = pinned_address(part)  # keep holds the buffer
+                    if self.lib.EVP_MAC_update(ctx, address, memoryview(part).nbytes) != 1:
                         raise ValueError("EVP_MAC_update failed")
+                    del keep
             out = ctypes.create_string_buffer(TAG_BYTES)
             outl = ctypes.c_size_t(0)
             if self.lib.EVP_MAC_final(ctx, out, ctypes.byref(outl), TAG_BYTES) != 1 \
@@ -56,27 +58,7 @@ class _EvpMac:
             self.lib.EVP_MAC_CTX_free(ctx)
 
 
-class _Pinned:
-    """The address of a non-empty contiguous buffer, valid while this object lives. bytes pass
-    as themselves; a writable view through ctypes (~1 us); a read-only one through numpy."""
-
-    def __init__(self, part: Buffer):
-        if isinstance(part, bytes):
-            self._keep, self.address, self.nbytes = part, part, len(part)
-            return
-        view = memoryview(part)
-        if not view.c_contiguous:  # libcrypto reads nbytes from one address
-            raise ValueError("a buffer to MAC must be contiguous")
-        self.nbytes = view.nbytes
-        if view.readonly:
-            self._keep = np.frombuffer(view, dtype=np.uint8)
-            self.address = self._keep.ctypes.data
-        else:
-            self._keep = ctypes.c_char.from_buffer(view)
-            self.address = ctypes.addressof(self._keep)
-
-
-def _bind(lib: ctypes.CDLL) -> _EvpMac:
+def _bind(lib: ctypes.CDLL, name: bytes) -> EvpMac:
     vp, sz = ctypes.c_void_p, ctypes.c_size_t
     lib.EVP_MAC_fetch.restype = vp
     lib.EVP_MAC_fetch.argtypes = [vp, ctypes.c_char_p, ctypes.c_char_p]
@@ -87,34 +69,35 @@ def _bind(lib: ctypes.CDLL) -> _EvpMac:
     lib.EVP_MAC_final.argtypes = [vp, ctypes.c_char_p, ctypes.POINTER(sz), sz]
     lib.EVP_MAC_CTX_free.argtypes = [vp]
     lib.EVP_MAC_CTX_free.restype = None
-    mac = lib.EVP_MAC_fetch(None, b"POLY1305", None)
+    mac = lib.EVP_MAC_fetch(None, name, None)
     if not mac:
-        raise OSError("libcrypto has no POLY1305 MAC")
-    return _EvpMac(lib, mac)
+        raise OSError(f"libcrypto has no {name.decode()} MAC")
+    return EvpMac(lib, mac)
 
 
-@functools.lru_cache(maxsize=1)
-def _evp() -> Optional[_EvpMac]:
-    """The binding, or None when no usable libcrypto 3 is found (loaded once per process)."""
-    for name in ("libcrypto.so.3", ctypes.util.find_library("crypto")):
-        if not name:
+@functools.lru_cache(maxsize=4)
+def evp_mac(name: bytes = b"POLY1305") -> Optional[EvpMac]:
+    """The binding of MAC `name`, or None when no usable libcrypto 3 is found (loaded once
+    per process and name)."""
+    for lib in ("libcrypto.so.3", ctypes.util.find_library("crypto")):
+        if not lib:
             continue
         try:
-            return _bind(ctypes.CDLL(name))  # CDLL: every call releases the GIL
+            return _bind(ctypes.CDLL(lib), name)  # CDLL: every call releases the GIL
         except (OSError, AttributeError):  # not there, or an OpenSSL 1.x without EVP_MAC
             continue
     return None
 
 
 def releases_gil() -> bool:
-    return _evp() is not None
+    return evp_mac() is not None
 
 
 def poly1305_tag(key: bytes, parts: Sequence[Buffer]) -> bytes:
     """Poly1305(key, concatenation of parts): 16 bytes. `key` is a one-time key (32 bytes)."""
     if len(key) != KEY_BYTES:
         raise ValueError(f"a Poly1305 key is {KEY_BYTES} bytes, got {len(key)}")
-    evp = _evp()
+    evp = evp_mac()
     if evp is not None:
         return evp.tag(key, parts)
     mac = Poly1305(key)

@@ -43,6 +43,6 @@ def test_bad_key_length_and_strided_buffers_are_refused():
 def test_libcrypto_is_bound_and_its_calls_release_the_gil():
     """Linux images ship libcrypto 3 (Python's own ssl links it). A CDLL call drops the GIL;
     a PyDLL one (the Python API flag) would not."""
-    evp = poly1305._evp()
+    evp = poly1305.evp_mac()
     assert evp is not None and poly1305.releases_gil()
     assert not evp.lib._func_flags_ & ctypes._FUNCFLAG_PYTHONAPI

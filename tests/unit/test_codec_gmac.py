@@ -1,0 +1,47 @@
+"""The block MAC's GMAC (OpenSSL's EVP_MAC through ctypes, the GIL released) gives the tags of
+cryptography's AES-256-GCM over associated data, for any split of the message into parts; a
+block of the previous format (3, Poly1305) is refused, never misread."""
+
+import os
+import struct
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from pdserve.connector import gmac
+from pdserve.connector.codec import FORMAT_VERSION, BlockCodec, BlockCodecError
+
+
+@pytest.mark.parametrize("sizes", [(0,), (1,), (15,), (16,), (17,), (128, 0, 5000),
+                                   (128, 737280), (3, 3, 3, 3)])
+def test_tags_equal_cryptographys_aes_gcm(sizes):
+    key = os.urandom(32)
+    parts = [memoryview(bytearray(os.urandom(n))) for n in sizes]
+    want = AESGCM(key).encrypt(gmac.IV, b"", b"".join(bytes(p) for p in parts))
+    assert gmac.gmac_tag(key, parts) == want
+    assert gmac.gmac_tag(key, [memoryview(bytes(p)) for p in parts]) == want  # read-only
+    assert gmac.gmac_tag(key, [bytes(p) for p in parts]) == want
+
+
+def test_libcrypto_gmac_is_bound_and_a_changed_byte_or_key_changes_the_tag():
+    assert gmac.releases_gil()
+    key, msg = os.urandom(32), bytearray(os.urandom(1000))
+    tag = gmac.gmac_tag(key, [memoryview(msg)])
+    msg[999] ^= 0x80
+    assert gmac.gmac_tag(key, [memoryview(msg)]) != tag
+    assert gmac.gmac_tag(os.urandom(32), [memoryview(msg)]) != tag
+    with pytest.raises(ValueError, match="32 bytes"):
+        gmac.gmac_tag(b"short", [memoryview(b"x")])
+    with pytest.raises(ValueError, match="contiguous"):
+        gmac.gmac_tag(bytes(32), [memoryview(bytearray(64))[::2]])
+
+
+def test_a_format_3_block_is_refused():
+    codec = BlockCodec("0f" * 32, 2, 4, 1, 8, mac_key=b"k" * 32)
+    buf = bytearray(codec.nbytes)
+    codec.encode_into(b"b" * 32, torch.ones(codec.payload_shape), buf)
+    assert FORMAT_VERSION == 4
+    struct.pack_into("<H", buf, 4, 3)  # the version field, right after the magic
+    with pytest.raises(BlockCodecError, match="version mismatch"):
+        codec.decode(b"b" * 32, memoryview(buf))
