@@ -42,9 +42,11 @@ class HeadShards:
         return torch.stack([torch.cat([s[layer][:, block_id] for s in self.shards], dim=-2)
                             for layer in range(self.num_layers)])
 
-    def write_block(self, block_id: int, block: torch.Tensor) -> None:
-        """Install block [layers, 2, block_size, K, d] into every rank's heads of block_id."""
+    def write_block(self, block_id: int, block: torch.Tensor, first_layer: int = 0) -> None:
+        """Install block [n layers, 2, block_size, K, d] (layers first_layer.. of a block: a
+        whole one, or a layer segment) into every rank's heads of block_id."""
         for off, s in zip(self.offsets, self.shards):
-            for layer, cache in enumerate(s):
+            for i in range(block.shape[0]):
+                cache = s[first_layer + i]
                 h = cache.shape[3]
-                cache[:, block_id].copy_(block[layer, ..., off:off + h, :])
+                cache[:, block_id].copy_(block[i, ..., off:off + h, :])
