@@ -157,3 +157,15 @@ def test_decode_saves_and_preemption_store_segments_a_later_turn_loads(tiny):
     assert first == reference(tiny, turn2)[:1]
     idle(fresh)
     fresh.close()
+
+
+def test_multiturn_breaks_later_turns_ttft_down():
+    from pdserve.bench.multiturn import TurnResult, _later_breakdown
+    b = {"router_queue_s": 0.01, "prefill_queue_s": 0.5, "prefill_compute_s": 0.25}
+    later = [TurnResult(0, 2, 1.0, 100, b),
+             TurnResult(1, 2, 2.0, 100, dict(b, prefill_queue_s=1.4)),
+             TurnResult(2, 3, 1.5, 100, {})]  # a turn the router reported nothing for
+    got = _later_breakdown(later)
+    assert got["prefill_queue_s"] == 0.95 and got["prefill_compute_s"] == 0.25
+    assert got["rest_s"] == 0.29  # (1.0 - 0.76, 2.0 - 1.66) -> p50
+    assert _later_breakdown([TurnResult(0, 2, 1.0, 100, {})]) == {}
