@@ -169,3 +169,18 @@ def test_multiturn_breaks_later_turns_ttft_down():
     assert got["prefill_queue_s"] == 0.95 and got["prefill_compute_s"] == 0.25
     assert got["rest_s"] == 0.29  # (1.0 - 0.76, 2.0 - 1.66) -> p50
     assert _later_breakdown([TurnResult(0, 2, 1.0, 100, {})]) == {}
+
+
+def test_layer_segments_flag_reaches_the_connector():
+    from pdserve.connector.store_connector import ConnectorConfig
+    from pdserve.cli import build_parser
+    from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
+
+    args = build_parser().parse_args(["serve", "prefill", "--kv-layer-segments", "3"])
+    assert args.kv_layer_segments == 3
+    cfg = EngineServiceConfig(role="prefill", kv_store="127.0.0.1:1",
+                              kv_layer_segments=args.kv_layer_segments)
+    assert cfg.kv_settings().connector_config().layer_segments == 3
+    for bad in (0, 65):
+        with pytest.raises(ValueError):
+            ConnectorConfig(layer_segments=bad)
