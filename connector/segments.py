@@ -41,7 +41,7 @@ class LayerSegments:
                              f"{layers}-layer model, got {self.count}")
         bounds = tuple(round(s * layers / self.count) for s in range(self.count + 1))
         object.__setattr__(self, "bounds", bounds)
-        object.__setattr__(self, "codecs", tuple(
+        object.__setattr__(self, "codecs", (self.codec,) if self.count == 1 else tuple(
             dataclasses.replace(self.codec, num_layers=bounds[s + 1] - bounds[s])
             for s in range(self.count)))
 

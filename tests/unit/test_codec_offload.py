@@ -33,7 +33,8 @@ def test_save_macs_on_the_io_worker_and_the_blocks_verify():
         with conn._lock:
             for _ in keys:
                 conn._save_started("r")
-        conn.io.run(conn._save([("r", k, 0) for k in keys], buf), timeout=30)
+        conn.io.run(conn._put_blocks(conn._staged_blocks(keys, [buf]), ["r"] * len(keys)),
+                    timeout=30)
         assert conn.get_finished()[0] == {"r"}
         assert len(codec.threads) == len(keys)
         assert all(name.startswith("kv-connector-io-cpu") for name in codec.threads)
