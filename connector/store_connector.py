@@ -7,7 +7,10 @@ Producer (prefill): before the forward, `begin_step` lists the blocks that becom
 step and allocates one staging buffer for them (codec layout, header space included);
 `save_layer` copies each layer's slice of those blocks into it right after the layer ran, so
 the copy overlaps the forward; `end_step` hands the buffer to the I/O thread, which writes the
-headers and puts the objects while the engine computes on. Each header's MAC is computed on
+headers and puts the objects while the engine computes on. With layer segments
+(ConnectorConfig.layer_segments > 1, connector/segments.py) a block is S objects, each a run of
+layers: a segment's puts start as soon as its last layer is copied, while the later layers
+compute, and `end_step` puts only the last segment (under the block's key, after the others). Each header's MAC is computed on
 the I/O thread's worker (IOThread.offload; it releases the GIL), so one block's MAC overlaps
 the send of the block before it and never stalls the engine thread. The request's blocks
 stay allocated (`request_finished` -> True) until its puts are done. A failed put only costs
