@@ -83,18 +83,20 @@ def _measure(stack, lens: list[int], args) -> dict:
     vocab = prefill.Health(pb.HealthRequest(), timeout=10).vocab_size
     rng = random.Random(args.seed)
     cold, hit, handoff, same = [], [], {n: [] for n in lens}, []
-    forward, overhead = {n: [] for n in lens}, {n: [] for n in lens}
+    forward, overhead, steps = ({n: [] for n in lens} for _ in range(3))
     try:
         for _ in range(args.repeats):
             for n in lens:
                 ids = [rng.randrange(vocab) for _ in range(n)]
-                f0 = _forward_ns(prefill, pb)
+                p0 = _profile(prefill, pb)
                 t0 = time.perf_counter()
                 first = prefill.Prefill(pb.PrefillRequest(prompt_token_ids=ids,
                                                           params=_greedy(pb, 2)), timeout=600)
                 t1 = time.perf_counter()
-                forward[n].append((_forward_ns(prefill, pb) - f0) * 1e-9)
+                spent = _phases_s(p0, _profile(prefill, pb))
+                forward[n].append(spent["forward"])
                 overhead[n].append(t1 - t0 - forward[n][-1])
+                steps[n].append(spent)
                 handoff[n].append(_first_token_s(dec_a, pb, ids, t1, first_token_id=(
                     first.first_token_id), block_keys=first.block_keys, params=_greedy(pb, 2)))
                 if n == args.ttft_len:
@@ -110,22 +112,37 @@ def _measure(stack, lens: list[int], args) -> dict:
     finally:
         for ch in chans.values():
             ch.close()
-    return _report(args, cold, hit, handoff, same, load_b) | _prefill_report(forward, overhead)
+    return _report(args, cold, hit, handoff, same, load_b) | _prefill_report(forward, overhead,
+                                                                            steps)
 
 
-def _forward_ns(prefill, pb) -> int:
-    """The prefill instance's forward time since start (its step profile)."""
-    return prefill.GetLoad(pb.LoadRequest(), timeout=10).profile.forward_ns
+_PHASES = ("schedule", "forward", "sample", "update")
 
 
-def _prefill_report(forward: dict, overhead: dict) -> dict:
-    """Per length: prefill's forward median, its overhead (answer minus forward) p50/p99, and
-    the p50 as a share of the forward."""
+def _profile(prefill, pb):
+    """The prefill instance's step profile (cumulative since start)."""
+    return prefill.GetLoad(pb.LoadRequest(), timeout=10).profile
+
+
+def _phases_s(before, after) -> dict:
+    """Seconds the prefill engine's steps spent per phase between two profiles, and steps."""
+    out = {p: (getattr(after, p + "_ns") - getattr(before, p + "_ns")) * 1e-9
+           for p in _PHASES}
+    out["steps"] = after.num_steps - before.num_steps
+    return out
+
+
+def _prefill_report(forward: dict, overhead: dict, steps: dict) -> dict:
+    """Per length: prefill's forward median, its overhead (answer minus forward) p50/p99, the
+    p50 as a share of the forward, and the medians of the other step phases inside it."""
     out = {}
     for n, f in forward.items():
         o, fwd = summarize(overhead[n]), median(f)
         out[str(n)] = {"forward_s": fwd, "overhead_p50_s": o.p50, "overhead_p99_s": o.p99,
-                       "overhead_share_of_forward": o.p50 / fwd if fwd else None}
+                       "overhead_share_of_forward": o.p50 / fwd if fwd else None,
+                       "steps": median([s["steps"] for s in steps[n]]),
+                       **{f"{p}_s": median([s[p] for s in steps[n]])
+                          for p in _PHASES if p != "forward"}}
     return {"prefill_overhead": out}
 
 
