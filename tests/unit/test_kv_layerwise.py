@@ -184,3 +184,19 @@ def test_layer_segments_flag_reaches_the_connector():
     for bad in (0, 65):
         with pytest.raises(ValueError):
             ConnectorConfig(layer_segments=bad)
+
+
+def test_bench_kv_splits_prefill_overhead_by_step_phase():
+    from types import SimpleNamespace
+
+    from pdserve.bench.kv import _phases_s, _prefill_report
+
+    def profile(sched, fwd, steps):
+        return SimpleNamespace(schedule_ns=sched, forward_ns=fwd, sample_ns=0, update_ns=0,
+                               num_steps=steps)
+    spent = _phases_s(profile(0, 10**9, 2), profile(10**8, 4 * 10**9, 5))
+    assert spent == {"schedule": 0.1, "forward": 3.0, "sample": 0.0, "update": 0.0,
+                     "steps": 3}
+    got = _prefill_report({2048: [3.0]}, {2048: [0.3]}, {2048: [spent]})["prefill_overhead"]
+    assert got["2048"]["overhead_share_of_forward"] == pytest.approx(0.1)
+    assert got["2048"]["schedule_s"] == 0.1 and got["2048"]["steps"] == 3
