@@ -61,6 +61,7 @@ from pdserve.connector.codec import HEADER_SIZE, BlockCodec, BlockCodecError
 from pdserve.connector.io_thread import IOThread
 from pdserve.connector.layout import HeadShards
 from pdserve.connector.segments import MAX_SEGMENTS, LayerSegments
+from pdserve.connector.staging import Block, StagedStep, stage, staged_blocks
 from pdserve.connector.store import BlockStore, put_stored
 
 log = logging.getLogger(__name__)
@@ -110,28 +111,6 @@ class ConnectorStats:
     failure_reasons: dict = field(default_factory=dict)
 
 
-_Block = tuple[bytes, list[memoryview]]  # a block's key, one encoded object per segment
-
-
-@dataclass
-class _Step:
-    """The producer's staging for one forward: the blocks that become full in it."""
-    staged: list  # (request id, key, block id)
-    ids: torch.Tensor  # [n] their block ids
-    views: list[torch.Tensor]  # per segment [n, segment layers, 2, bs, kvh, d] over bufs
-    bufs: list[bytearray]  # per segment: n encoded objects
-    earlier: list = field(default_factory=list)  # puts of segments done during the forward
-
-
-def _payload_view(codec: BlockCodec, buf: bytearray, n: int) -> torch.Tensor:
-    """[n, layers, 2, bs, kvh, d] over the payload regions of n encoded blocks in buf."""
-    size = torch.empty((), dtype=codec.dtype).element_size()
-    flat = torch.frombuffer(buf, dtype=codec.dtype)
-    inner = torch.empty(codec.payload_shape).stride()
-    return flat.as_strided((n,) + codec.payload_shape, (codec.nbytes // size,) + inner,
-                           HEADER_SIZE // size)
-
-
 class StoreKVConnector(KVConnector):
     def __init__(self, store: BlockStore, codec: BlockCodec, config: ConnectorConfig,
                  io: Optional[IOThread] = None):
@@ -149,7 +128,7 @@ class StoreKVConnector(KVConnector):
         self._started: set[str] = set()  # producer: requests whose first chunk ran
         self._store_from: dict[str, int] = {}  # request id -> first block it loaded
         self._budget_used = 0  # decode's save bytes in flight (under _lock)
-        self._step: Optional[_Step] = None
+        self._step: Optional[StagedStep] = None
         self._sem: Optional[asyncio.Semaphore] = None
         # request id -> (num_computed_tokens it was asked for, the lookup's future)
         self._lookups: dict[str, tuple[int, concurrent.futures.Future]] = {}
@@ -251,7 +230,7 @@ class StoreKVConnector(KVConnector):
             self._budget_used += max(n, 0) * size
         if n <= 0:
             return
-        views, bufs = self._stage(n)
+        views, bufs = stage(self.segments, n)
         ids = torch.tensor(block_ids[:n], dtype=torch.long)
         for layer in range(len(self.kv_caches)):  # every rank's heads (layout.py)
             self._copy_layer(views, layer, ids)
@@ -264,7 +243,7 @@ class StoreKVConnector(KVConnector):
             except Exception as exc:
                 self._note_failure("preempted:" + type(exc).__name__)
                 have = len(keys)
-            blocks = self._staged_blocks(keys, bufs)[have:]
+            blocks = staged_blocks(self.segments, keys, bufs)[have:]
             await self._put_blocks(blocks, [])
         finally:
             with self._lock:
@@ -295,32 +274,19 @@ class StoreKVConnector(KVConnector):
         if not staged:
             self._step = None
             return
-        views, bufs = self._stage(len(staged))
+        views, bufs = stage(self.segments, len(staged))
         ids = torch.tensor([b for _, _, b in staged], dtype=torch.long)
-        self._step = _Step(staged, ids, views, bufs)
+        self._step = StagedStep(staged, ids, views, bufs)
 
     def _start_backfill(self, rid: str, keys: list[bytes], block_ids: list[int]) -> None:
         with self._lock:
             self._save_started(rid)
         self.io.submit(self._backfill(rid, list(keys), list(block_ids)))
 
-    def _stage(self, n: int) -> tuple[list[torch.Tensor], list[bytearray]]:
-        """One buffer of n encoded objects per layer segment, and over each buffer's payload
-        regions a view [n, segment layers, 2, bs, kvh, d]."""
-        bufs = [bytearray(n * c.nbytes) for c in self.segments.codecs]
-        return [_payload_view(c, b, n) for c, b in zip(self.segments.codecs, bufs)], bufs
-
     def _copy_layer(self, views: list[torch.Tensor], layer: int, ids: torch.Tensor) -> None:
         s = self.segments.of_layer(layer)
         local = layer - self.segments.bounds[s]
         self.heads.copy_layer_into(views[s][:, local], layer, ids)  # [n, 2, bs, kvh, d]
-
-    def _staged_blocks(self, keys: list[bytes], bufs: list[bytearray]) -> list[_Block]:
-        """Block j of staging buffers bufs, as (key, one view per segment)."""
-        sizes = [c.nbytes for c in self.segments.codecs]
-        whole = [memoryview(b) for b in bufs]
-        return [(key, [w[j * n:(j + 1) * n] for w, n in zip(whole, sizes)])
-                for j, key in enumerate(keys)]
 
     def save_layer(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
         """Copy this layer of the step's full blocks out; once a segment's last layer is in,
@@ -343,7 +309,7 @@ class StoreKVConnector(KVConnector):
         with self._lock:
             for rid, _, _ in step.staged:
                 self._save_started(rid)
-        blocks = self._staged_blocks([key for _, key, _ in step.staged], step.bufs)
+        blocks = staged_blocks(self.segments, [key for _, key, _ in step.staged], step.bufs)
         self.io.submit(self._put_blocks(blocks, [rid for rid, _, _ in step.staged],
                                         step.earlier))
 
@@ -419,7 +385,7 @@ class StoreKVConnector(KVConnector):
         return [c.write_payload(block[b[s]:b[s + 1]], bytearray(c.nbytes))
                 for s, c in enumerate(self.segments.codecs)]
 
-    async def _put_blocks(self, blocks: list[_Block], done: list[str],
+    async def _put_blocks(self, blocks: list[Block], done: list[str],
                           earlier: Optional[list[concurrent.futures.Future]] = None) -> None:
         """Put blocks (key, one encoded view per segment), then mark `done` (one entry per
         count taken in _saving) finished, whatever happened. Every earlier segment first (or
