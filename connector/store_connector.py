@@ -441,21 +441,24 @@ class StoreKVConnector(KVConnector):
     async def _load(self, rid: str, keys: list[bytes], block_ids: list[int]) -> None:
         t0, seg = time.perf_counter(), self.segments
         skeys = [seg.key(k, s) for k in keys for s in range(seg.count)]
-        bufs = [bytearray(c.nbytes) for _ in keys for c in seg.codecs]
-        fetch = self.store.get_many_into(skeys, [memoryview(b) for b in bufs],
+        views, bufs = stage(seg, len(keys))  # one buffer per segment: installed per layer
+        objs = staged_blocks(seg, keys, bufs)
+        fetch = self.store.get_many_into(skeys, [v for _, obj in objs for v in obj],
                                          self.config.max_inflight)
         try:
             results = await asyncio.wait_for(fetch, self.config.load_timeout_s)
         except Exception as exc:  # noqa: BLE001 - timeout or an unreachable store: recompute
             results = [exc] * len(skeys)
         # The MACs are checked on the I/O worker: the loop keeps moving other transfers.
-        blocks, why = await self.io.offload(self._verify, keys, bufs, results)
-        for block_id, parts in zip(block_ids, blocks):
-            for s, part in enumerate(parts):
-                self.heads.write_block(block_id, part, first_layer=seg.bounds[s])
+        loaded, why = await self.io.offload(self._verify, objs, results)
+        if loaded:
+            ids = torch.tensor(block_ids[:loaded], dtype=torch.long)
+            for layer in range(seg.codec.num_layers):
+                s = seg.of_layer(layer)
+                self.heads.write_layer_from(views[s][:loaded, layer - seg.bounds[s]], layer,
+                                            ids)  # [loaded, 2, bs, kvh, d]
         if why is not None:
             self._note_failure(why)
-        loaded = len(blocks)
         self.stats.blocks_loaded += loaded
         self.stats.bytes_loaded += loaded * seg.nbytes
         self.stats.load_seconds += time.perf_counter() - t0
@@ -466,25 +469,22 @@ class StoreKVConnector(KVConnector):
                 self.stats.load_failures += 1
                 self._failed[rid] = loaded * self.codec.block_size
 
-    def _verify(self, keys, bufs, results) -> tuple[list[list[torch.Tensor]], Optional[str]]:
-        """The leading fetched blocks whose every segment decodes (MAC checked), each as its
-        segments [segment layers, 2, bs, kvh, d], and why the one after them did not (None
-        when all did). bufs and results: segment by segment, block by block."""
-        seg, blocks = self.segments, []
-        for j, key in enumerate(keys):
-            parts = []
-            for s, codec in enumerate(seg.codecs):
-                i = j * seg.count + s
-                got = results[i]
+    def _verify(self, objs: list[Block], results) -> tuple[int, Optional[str]]:
+        """How many leading fetched blocks have every segment decode (MAC checked), and why
+        the one after them did not (None when all did). results: block by block, segment by
+        segment, as objs."""
+        seg = self.segments
+        for j, (key, views) in enumerate(objs):
+            for s, (codec, view) in enumerate(zip(seg.codecs, views)):
+                got = results[j * seg.count + s]
                 if isinstance(got, BaseException) or got is None:
-                    return blocks, "miss" if got is None else type(got).__name__
+                    return j, "miss" if got is None else type(got).__name__
                 try:
-                    parts.append(codec.decode(seg.key(key, s), memoryview(bufs[i])[:got]))
+                    codec.decode(seg.key(key, s), view[:got])
                 except BlockCodecError as exc:
                     log.warning("%s", exc)
-                    return blocks, "codec"
-            blocks.append(parts)
-        return blocks, None
+                    return j, "codec"
+        return len(objs), None
 
     def _note_failure(self, reason: str) -> None:
         self.stats.failure_reasons[reason] = self.stats.failure_reasons.get(reason, 0) + 1

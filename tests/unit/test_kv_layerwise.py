@@ -200,3 +200,23 @@ def test_bench_kv_splits_prefill_overhead_by_step_phase():
     got = _prefill_report({2048: [3.0]}, {2048: [0.3]}, {2048: [spent]})["prefill_overhead"]
     assert got["2048"]["overhead_share_of_forward"] == pytest.approx(0.1)
     assert got["2048"]["schedule_s"] == 0.1 and got["2048"]["steps"] == 3
+
+
+def test_layer_install_equals_block_install_across_head_shards():
+    """A load installs its blocks a layer at a time (write_layer_from); the caches end as
+    block-by-block installs leave them, with heads split over two ranks."""
+    import torch
+
+    from pdserve.connector.layout import HeadShards
+
+    def shards():
+        return [[torch.zeros(2, 6, 4, h, 8) for _ in range(3)] for h in (1, 2)]
+    blocks = torch.randn(2, 3, 2, 4, 3, 8)  # [n, layers, 2, bs, all heads, d]
+    by_block, by_layer = HeadShards(shards()), HeadShards(shards())
+    for block_id, block in zip((4, 1), blocks):
+        by_block.write_block(block_id, block)
+    for layer in range(3):
+        by_layer.write_layer_from(blocks[:, layer], layer, torch.tensor([4, 1]))
+    for a, b in zip(by_block.shards, by_layer.shards):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert torch.equal(by_layer.read_block(1), blocks[1])
