@@ -29,10 +29,11 @@ class KVStackSpec:
     transport: str = "auto"
     capacity_mib: int = 1024
     startup_timeout_s: float = 300.0
+    layer_segments: int = 1  # stored objects per block on every engine (connector/segments.py)
 
     def __post_init__(self):
-        if self.threads < 1 or self.num_blocks < 1 or self.capacity_mib < 1:
-            raise ValueError("threads, num_blocks and capacity_mib must be >= 1")
+        if min(self.threads, self.num_blocks, self.capacity_mib, self.layer_segments) < 1:
+            raise ValueError("threads, num_blocks, capacity_mib and layer_segments must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ def _engine_argv(spec: KVStackSpec, role: str, port: int, store: str, cpus: str)
     argv = SERVE + [role, "--port", str(port), "--model", spec.model, "--kv-store", store,
                     "--kv-transport", spec.transport, "--num-threads", str(spec.threads),
                     "--max-model-len", str(spec.max_model_len),
-                    "--num-blocks", str(spec.num_blocks)]
+                    "--num-blocks", str(spec.num_blocks),
+                    "--kv-layer-segments", str(spec.layer_segments)]
     if role == "decode":
         argv += ["--role", "decode"]
     return ["taskset", "-c", cpus] + argv if cpus else argv

@@ -37,6 +37,7 @@ class TurnResult:
     turn: int  # 1-based
     ttft_s: float
     prompt_tokens: int
+    breakdown: dict  # the server's LatencyBreakdown fields (bench/breakdown.py), seconds
 
 
 async def _turn(http: httpx.AsyncClient, model: str, messages: list[dict],
@@ -63,7 +64,7 @@ async def _conversation(http, model: str, conv: Conversation, max_tokens: int,
         messages.append({"role": "user", "content": question})
         trace, answer = await _turn(http, model, messages, max_tokens)
         out.append(TurnResult(conv.index, k, trace.arrivals[0][0] - trace.sent_t,
-                              trace.usage_prompt or 0))
+                              trace.usage_prompt or 0, dict(trace.breakdown or {})))
         messages.append({"role": "assistant", "content": answer})
 
 
@@ -92,7 +93,22 @@ async def _run(url: str, convs: list[Conversation], max_tokens: int) -> dict:
             "ttft_later_p50_s": _r(percentile(later, 50)),
             "ttft_later_p99_s": _r(percentile(later, 99)),
             "prompt_tokens": prompt,
-            "store_token_share": _r(hits / prompt if prompt else 0.0)}
+            "store_token_share": _r(hits / prompt if prompt else 0.0),
+            "later_breakdown_p50_s": _later_breakdown([r for r in results if r.turn >= 2])}
+
+
+def _later_breakdown(later: list[TurnResult]) -> dict:
+    """Where a later turn's TTFT went: the p50 of each prefill-side field the router reported
+    (router_queue_s, prefill_queue_s, prefill_compute_s: its forward and its saves), and of
+    the rest of the TTFT (the router's lookup and the RPCs)."""
+    names = ("router_queue_s", "prefill_queue_s", "prefill_compute_s")
+    out = {n: _r(percentile([r.breakdown[n] for r in later if n in r.breakdown], 50))
+           for n in names if any(n in r.breakdown for r in later)}
+    if len(out) == len(names):
+        out["rest_s"] = _r(percentile([r.ttft_s - sum(r.breakdown[n] for n in names)
+                                       for r in later if all(n in r.breakdown for n in names)],
+                                      50))
+    return out
 
 
 def _r(x: float) -> float:

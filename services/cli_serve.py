@@ -174,6 +174,10 @@ def _kv_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-reuse", action=argparse.BooleanOptionalAction, default=True,
                    help="KV reuse (docs/kv-reuse.md): prefill also loads the stored prefix, "
                         "decode also saves what its finished requests computed")
+    p.add_argument("--kv-layer-segments", type=int, default=1,  # (torch-free: no config import)
+                   help="store each KV block as this many objects, each a run of layers, so "
+                        "prefill puts the first layers while the later ones compute; every "
+                        "engine sharing the store must use the same value (docs/kv-reuse.md)")
     p.add_argument("--kv-block-secret-file", default="",
                    help="file with the block secret every engine and the router share: "
                         "keys and MACs of stored blocks (default: "
@@ -254,6 +258,7 @@ def _run_engine(args) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         kv_store=args.kv_store, kv_transport=args.kv_transport, kv_lease_s=args.kv_lease,
         kv_load_timeout_s=args.kv_load_timeout, kv_reuse=args.kv_reuse,
+        kv_layer_segments=args.kv_layer_segments,
         kv_block_secret_file=args.kv_block_secret_file,
         metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint, device=args.device,

@@ -34,6 +34,7 @@ class KVStoreSettings:
     block_secret_file: str = ""  # keys/MACs of stored blocks; "" -> $PDSERVE_KV_BLOCK_SECRET_FILE
     tls: TlsConfig = TlsConfig()  # this engine's certificate for the master's gRPC
     reuse: bool = True  # KV reuse (docs/kv-reuse.md): prefill loads, decode saves too
+    layer_segments: int = ConnectorConfig.layer_segments  # objects per block (segments.py)
 
     def __post_init__(self):
         host, sep, port = self.master_addr.rpartition(":")
@@ -47,7 +48,8 @@ class KVStoreSettings:
     def connector_config(self) -> ConnectorConfig:
         return ConnectorConfig(role=self.role, lease_s=self.lease_s,
                                load_timeout_s=self.load_timeout_s,
-                               max_inflight=self.max_inflight, reuse=self.reuse)
+                               max_inflight=self.max_inflight, reuse=self.reuse,
+                               layer_segments=self.layer_segments)
 
     def store_client_config(self) -> StoreClientConfig:
         """The store client's deadlines and block secret (docs/kvstore-security.md)."""

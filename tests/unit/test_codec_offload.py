@@ -8,6 +8,7 @@ import torch
 
 from pdserve.connector.codec import BlockCodec
 from pdserve.connector.store import InMemoryBlockStore
+from pdserve.connector.staging import staged_blocks
 from pdserve.connector.store_connector import ConnectorConfig, StoreKVConnector
 
 
@@ -33,7 +34,8 @@ def test_save_macs_on_the_io_worker_and_the_blocks_verify():
         with conn._lock:
             for _ in keys:
                 conn._save_started("r")
-        conn.io.run(conn._save([("r", k, 0) for k in keys], buf), timeout=30)
+        blocks_in = staged_blocks(conn.segments, keys, [buf])
+        conn.io.run(conn._put_blocks(blocks_in, ["r"] * len(keys)), timeout=30)
         assert conn.get_finished()[0] == {"r"}
         assert len(codec.threads) == len(keys)
         assert all(name.startswith("kv-connector-io-cpu") for name in codec.threads)

@@ -16,6 +16,7 @@ from pdserve.connector.codec import HEADER_SIZE, BlockCodec
 from pdserve.connector.kvstore.auth import UNKEYED_MAC_KEY, BlockKeys
 from pdserve.connector.store import InMemoryBlockStore
 from pdserve.connector.store_connector import ConnectorConfig, StoreKVConnector
+from pdserve.connector.segments import LayerSegments
 
 BS = 16
 PROMPTS = [list(range(1, 60)), list(range(100, 140)), [7] * 33]
@@ -126,6 +127,7 @@ def test_failed_load_is_recomputed(tiny, reference, damage):
         c = decode.connector.codec
         decode.connector.codec = BlockCodec("ab" * 32, c.num_layers, BS, c.num_kv_heads,
                                             c.head_dim)
+        decode.connector.segments = LayerSegments(decode.connector.codec)
     got, _ = run(decode, [(f"r{i}", p, GREEDY, None) for i, p in enumerate(PROMPTS)])
     assert got == reference
     s = decode.connector.stats
