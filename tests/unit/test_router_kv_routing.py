@@ -6,9 +6,12 @@ holder with real work queued still loses to an idle instance."""
 import asyncio
 import random
 
+import pytest
+
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.telemetry.metrics import RouterMetrics
 from pdserve.services.router.dispatch.requests import block_keys
+from pdserve.services.router.routing.backend import Routed
 from pdserve.services.router.routing.backends import BackendPool
 from pdserve.services.router.routing.candidate import RouteRequest
 from pdserve.services.router.routing.policies import make_policy
@@ -31,8 +34,7 @@ def _pool() -> BackendPool:
 def _send(pool: BackendPool, prompt: list[int]):
     """Routes and dispatches one prompt as the router's dispatch does; returns the lease."""
     keys, bs = block_keys(pool, prompt, None)
-    backend = pool.choose(RouteRequest(len(prompt), bs, 0, None), keys)
-    return backend.dispatch(len(prompt))
+    return pool.choose(RouteRequest(len(prompt), bs, 0, None), keys).dispatch(len(prompt))
 
 
 def _run(body):
@@ -72,8 +74,7 @@ def test_the_engines_report_adds_only_what_is_not_ours():
         a = pool.backend(A)
         leases = []
         for _ in range(2):  # two 2,500-token prompts, 100 tokens of each not cached there
-            a.routed_uncached(100)
-            leases.append(a.dispatch(2500))
+            leases.append(a.dispatch(2500, uncached=100))
         a.record_success(a.health, pb.LoadResponse(num_waiting=2, num_waiting_tokens=5000))
         assert a.queue_tokens == 200
         # another router's 1,000-token prompt waits there too
@@ -156,4 +157,37 @@ def test_one_shared_system_prompt_does_not_draw_every_conversation_to_one_instan
         per = {a: sum(1 for lease in running if lease.backend.address == a) for a in (A, B)}
         assert max(per.values()) - min(per.values()) <= 5  # not 10 and 0
         assert min(per.values()) >= 3
+    _run(body)
+
+
+def test_each_routing_decision_carries_its_own_uncached_count():
+    """Two requests routed to one instance before either call opens (as two requests in one
+    turn of the loop can be) each count their own uncached tokens, not the other's."""
+    def body(pool):
+        rng = random.Random(6)
+        history = _tokens(rng, 50 * BS)
+        first = _send(pool, history)
+        holder = first.backend
+        pool.finish(first, ok=True)
+        other = next(b for b in pool.backends if b is not holder)
+        hit_prompt, cold_prompt = history + _tokens(rng, 40), _tokens(rng, 300)
+        hit = pool.choose(RouteRequest(len(hit_prompt), BS, 0, None),
+                          block_keys(pool, hit_prompt, None)[0])
+        cold = pool.choose(RouteRequest(len(cold_prompt), BS, 0, None),
+                           block_keys(pool, cold_prompt, None)[0], exclude=(other,))
+        assert hit.backend is holder and cold.backend is holder
+        assert (hit.uncached, cold.uncached) == (40, 300)
+        leases = [hit.dispatch(len(hit_prompt)), cold.dispatch(len(cold_prompt))]
+        assert holder.inflight_tokens == 340
+        assert holder.inflight_prompt_tokens == len(hit_prompt) + len(cold_prompt)
+        for lease in leases:
+            pool.finish(lease, ok=True)
+        assert (holder.inflight, holder.inflight_tokens) == (0, 0)
+    _run(body)
+
+
+def test_a_routing_decision_refuses_a_negative_count():
+    def body(pool):
+        with pytest.raises(ValueError, match="uncached"):
+            Routed(pool.backends[0], -1)
     _run(body)

@@ -6,11 +6,13 @@ says the prompt is computed (its tokens leave the queue estimate), `finish(ok)` 
 (idempotent) and tells the breaker how the call went (ok=None: neither, e.g. the client
 cancelled).
 
-The queue estimate counts the tokens the instance will compute, not the prompt's length: when
-the pool routes a prompt here it notes how much of it is not in this instance's prefix cache
-(`routed_uncached`), and the dispatch that follows counts at most that. Counting a cache hit's
-whole prompt made a conversation's holder look busy with work it would never do, so the next
-turns of its other conversations went elsewhere and recomputed their history.
+The queue estimate counts the tokens the instance will compute, not the prompt's length: a
+routing decision is a `Routed` value (the instance and how much of the prompt it has not
+cached), and its `dispatch()` counts at most that. Counting a cache hit's whole prompt made a
+conversation's holder look busy with work it would never do, so the next turns of its other
+conversations went elsewhere and recomputed their history. The decision's count travels
+with the decision, so two decisions for one instance before either dispatch cannot swap
+their counts.
 """
 
 from __future__ import annotations
@@ -61,7 +63,6 @@ class Backend:
         self.inflight = 0  # calls the router has open there
         self.inflight_tokens = 0  # their prompt tokens not computed yet (cached ones left out)
         self.inflight_prompt_tokens = 0  # the same calls' tokens as the caller gave them
-        self._uncached: Optional[int] = None  # the last routing decision's; the next dispatch
 
     def record_failure(self, unhealthy_after: int, why: str) -> None:
         self.failures += 1
@@ -100,23 +101,35 @@ class Backend:
             n += 1
         return n
 
-    def routed_uncached(self, tokens: int) -> None:
-        """The prompt just routed here has `tokens` not in this instance's prefix cache; the
-        next dispatch() (which follows the routing decision with no await between) counts
-        no more than that."""
-        self._uncached = max(0, tokens)
-
-    def dispatch(self, tokens: int) -> "Lease":
+    def dispatch(self, tokens: int, uncached: Optional[int] = None) -> "Lease":
         """`tokens`: prompt tokens the caller expects computed (store loads already left
-        out); capped by what the routing decision found uncached here."""
+        out); `uncached`: what the routing decision found not cached here (None: unknown),
+        a cap on what the queue estimate counts."""
         given = tokens
-        if self._uncached is not None:
-            tokens, self._uncached = min(tokens, self._uncached), None
+        if uncached is not None:
+            tokens = min(tokens, uncached)
         self.breaker.on_dispatch()
         self.inflight += 1
         self.inflight_tokens += tokens
         self.inflight_prompt_tokens += given
         return Lease(self, tokens, given, time.monotonic())
+
+
+@dataclass(frozen=True)
+class Routed:
+    """One routing decision: the instance chosen, and how many of the prompt's tokens it has
+    not cached (None when the KV geometry is unknown). `BackendPool.choose()` makes it; the
+    call that follows opens its lease with `dispatch()`."""
+
+    backend: Backend
+    uncached: Optional[int] = None
+
+    def __post_init__(self):
+        if self.uncached is not None and self.uncached < 0:
+            raise ValueError(f"uncached must be >= 0, got {self.uncached}")
+
+    def dispatch(self, tokens: int) -> "Lease":
+        return self.backend.dispatch(tokens, self.uncached)
 
 
 class Lease:
