@@ -83,7 +83,7 @@ def test_the_engines_report_adds_only_what_is_not_ours():
         for lease in leases:
             lease.first_token()
         assert (a.inflight_tokens, a.inflight_prompt_tokens) == (0, 0)
-        assert a.queue_tokens == 6000  # a report older than our first tokens: all counted
+        assert a.queue_tokens == 1000  # ours are computed; the other router's still waits
         for lease in leases:
             pool.finish(lease, ok=True)
     _run(body)
@@ -190,4 +190,25 @@ def test_a_routing_decision_refuses_a_negative_count():
     def body(pool):
         with pytest.raises(ValueError, match="uncached"):
             Routed(pool.backends[0], -1)
+    _run(body)
+
+
+def test_a_report_older_than_our_first_token_does_not_push_a_conversation_away():
+    """The holder's last load report was read while the conversation's previous turn still
+    waited there; that turn has its answer since. Counting the report as it stands until the
+    next one made the holder look 640 tokens busy, and the next turn went to the other
+    instance to recompute the whole history."""
+    def body(pool):
+        rng = random.Random(7)
+        history = _tokens(rng, 40 * BS)
+        lease = _send(pool, history)
+        holder = lease.backend
+        holder.record_success(holder.health, pb.LoadResponse(
+            num_waiting=1, num_waiting_tokens=len(history)))
+        lease.first_token()
+        pool.finish(lease, ok=True)
+        assert (holder.active, holder.queue_tokens) == (0, 0)
+        nxt = _send(pool, history + _tokens(rng, 40))
+        assert nxt.backend is holder
+        pool.finish(nxt, ok=True)
     _run(body)

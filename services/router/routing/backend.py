@@ -57,7 +57,9 @@ class Backend:
         self.max_model_len: Optional[int] = None
         self.load: Optional[pb.LoadResponse] = None
         self.health: Optional[pb.HealthResponse] = None  # the last good answer
-        self.reported = InstanceLoad()  # the newest of GetLoad and the registry heartbeat
+        self.reported = InstanceLoad()  # the last GetLoad answer
+        self._others_active = 0  # what that answer held beyond our open calls then
+        self._others_tokens = 0
         self.cache_summary: frozenset = frozenset()  # block key prefixes it says it holds
         self.breaker = breaker or CircuitBreaker(3, 5.0)
         self.inflight = 0  # calls the router has open there
@@ -77,21 +79,31 @@ class Backend:
         self.max_model_len = health.max_model_len or None
         self.load = load
         self.health = health
-        self.reported = InstanceLoad(load.num_running, load.num_waiting,
-                                     load.num_waiting_tokens, load.kv_usage)
+        self.observe(InstanceLoad(load.num_running, load.num_waiting, load.num_waiting_tokens,
+                                  load.kv_usage))
+
+    def observe(self, load: InstanceLoad) -> None:
+        """A load report read just now. What it holds beyond the router's own open calls is
+        other routers' work, fixed until the next report; the router's own part follows its
+        calls exactly from here on. (Taking the report as it stands until the next one made
+        a prompt that had its first token since look queued for up to a report interval,
+        and moved conversations off their holders.)"""
+        self.reported = load
+        self._others_active = max(0, load.running + load.waiting - self.inflight)
+        # the engine counts a waiting request at its whole prompt (its prefix match comes
+        # when it is scheduled), so ours come off at the length the engine counts them
+        self._others_tokens = max(0, load.waiting_tokens - self.inflight_prompt_tokens)
 
     @property
     def active(self) -> int:
-        return max(self.reported.running + self.reported.waiting, self.inflight)
+        """Requests running or waiting there: ours now, plus others' at the last report."""
+        return self.inflight + self._others_active
 
     @property
     def queue_tokens(self) -> int:
         """Prompt tokens it has to compute before a new request: ours (uncached only), plus
-        what its report holds beyond ours (other routers'). The engine reports a waiting
-        request with its whole prompt (its prefix match comes when it is scheduled), so the
-        report minus our own requests at the length the engine counts them is the rest."""
-        others = self.reported.waiting_tokens - self.inflight_prompt_tokens
-        return self.inflight_tokens + max(0, others)
+        other routers' at the last report."""
+        return self.inflight_tokens + self._others_tokens
 
     def summary_prefix(self, keys) -> int:
         """Leading `keys` in the cache summary the instance reported."""
