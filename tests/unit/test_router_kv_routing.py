@@ -51,6 +51,14 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 30000) for _ in range(n)]
 
 
+def _held(pool: BackendPool, rng: random.Random, blocks: int):
+    """(a history of `blocks` full blocks computed on one instance, that instance)."""
+    history = _tokens(rng, blocks * BS)
+    first = _send(pool, history)
+    pool.finish(first, ok=True)
+    return history, first.backend
+
+
 def test_the_queue_estimate_counts_only_what_the_instance_has_not_cached():
     def body(pool):
         rng = random.Random(1)
@@ -109,10 +117,7 @@ def test_a_holders_pending_cache_hits_do_not_push_its_next_turns_away():
 def test_a_holder_with_real_work_queued_loses_to_an_idle_instance():
     def body(pool):
         rng = random.Random(3)
-        history = _tokens(rng, 20 * BS)
-        first = _send(pool, history)
-        holder = first.backend
-        pool.finish(first, ok=True)
+        history, holder = _held(pool, rng, 20)
         queued = holder.dispatch(2000)  # an uncached prompt of 2000 tokens ahead there
         nxt = _send(pool, history + _tokens(rng, 30))
         assert nxt.backend is not holder  # 320 cached tokens do not pay for 2000 queued
@@ -165,10 +170,7 @@ def test_each_routing_decision_carries_its_own_uncached_count():
     turn of the loop can be) each count their own uncached tokens, not the other's."""
     def body(pool):
         rng = random.Random(6)
-        history = _tokens(rng, 50 * BS)
-        first = _send(pool, history)
-        holder = first.backend
-        pool.finish(first, ok=True)
+        history, holder = _held(pool, rng, 50)
         other = next(b for b in pool.backends if b is not holder)
         hit_prompt, cold_prompt = history + _tokens(rng, 40), _tokens(rng, 300)
         hit = pool.choose(RouteRequest(len(hit_prompt), BS, 0, None),
