@@ -60,6 +60,9 @@ def add_bench_subcommands(sub) -> None:
     from pdserve.bench.routing_ab import add_routing_subcommand
 
     add_routing_subcommand(sub)  # policies against each other, one stack at a time
+    from pdserve.bench.routing_sim import add_routing_sim_subcommand
+
+    add_routing_sim_subcommand(sub)  # the same on simulated engines, in seconds
 
 
 def _sweep_args(p: argparse.ArgumentParser) -> None:

@@ -44,8 +44,8 @@ async def _decisions(cfg: RouterConfig, n_instances: int, prompts: list) -> list
             job = Job(str(i), (Choice(0, tuple(prompt), params),))
             ticket = await gate.enter(meta, job)
             keys, bs = block_keys(pool, prompt, None)
-            backend = pool.choose(RouteRequest(len(prompt), bs, 0, None), keys)
-            lease = backend.dispatch(len(prompt))
+            lease = pool.choose(RouteRequest(len(prompt), bs, 0, None), keys).dispatch(
+                len(prompt))
             ticket.first_token()
             pool.finish(lease, ok=True)
             ticket.release()

@@ -75,8 +75,7 @@ class RunningRouter:
         await asyncio.gather(*stops, return_exceptions=True)
         await asyncio.gather(*(w.stop() for w in self.watchers), return_exceptions=True)
         await self.state.pool.close()
-        if self.state.disagg is not None:
-            await self.state.disagg.close()
+        await self.state.dispatch.close()
 
 
 async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
@@ -85,7 +84,8 @@ async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
     state = RouterState(cfg, tokenizer or load_tokenizer(cfg.model), pool, metrics, None,
                         Gate(cfg, metrics))
     disagg = _disagg_router(cfg, state, metrics) if cfg.disaggregated else None
-    state = dataclasses.replace(state, disagg=disagg)
+    if disagg is not None:
+        state = dataclasses.replace(state, dispatch=disagg)
     await pool.start()
     if disagg is not None:
         await disagg.prefill.start()

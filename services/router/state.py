@@ -10,15 +10,15 @@ from typing import Optional
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.telemetry.metrics import RouterMetrics
 from pdserve.services.router.routing.backends import BackendPool
-from pdserve.services.router.routing.candidate import RouteRequest
 from pdserve.services.router.config import RouterConfig
-from pdserve.services.router.dispatch.decode_open import DecodeTarget, open_decode
+from pdserve.services.router.dispatch.colocated import ColocatedDispatch, Dispatch
+from pdserve.services.router.dispatch.decode_open import DecodeTarget
 from pdserve.services.router.api.errors import model_not_found
 from pdserve.services.router.dispatch.job import Job
 from pdserve.services.router.dispatch.job_run import JobRun
 from pdserve.services.router.api.openai_format import TokenText
 from pdserve.services.router.api.request_meta import RequestMeta
-from pdserve.services.router.dispatch.requests import EngineRequest, block_keys, decode_request
+from pdserve.services.router.dispatch.requests import EngineRequest
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,12 @@ class RouterState:
     tokenizer: object  # pdserve.common.tokenizer.Tokenizer (or a test stand-in)
     pool: BackendPool  # the instances that decode (unified ones when colocated)
     metrics: RouterMetrics
-    disagg: object = None  # a DisaggRouter in disaggregated mode
+    dispatch: Optional[Dispatch] = None  # None: colocated (unified instances of `pool`)
     gate: object = None  # a gate.Gate: API keys, rate limits, admission (None: open)
+
+    def __post_init__(self):
+        if self.dispatch is None:
+            object.__setattr__(self, "dispatch", ColocatedDispatch(self.decode_target))
 
     @functools.cached_property
     def decode_target(self) -> DecodeTarget:
@@ -46,13 +50,8 @@ class RouterState:
                           cache_salt: Optional[str], affinity: Optional[str] = None):
         """One engine request's stream of Deltas: straight to a unified instance, or
         prefill + decode when disaggregated."""
-        r = EngineRequest(request_id, prompt, params, cache_salt, affinity)
-        if self.disagg is not None:
-            return await self.disagg.open(r)
-        keys, block_size = block_keys(self.pool, prompt, cache_salt)
-        route = RouteRequest(len(prompt), block_size, 0, affinity)
-        return await open_decode(self.decode_target, decode_request(r), route, keys or (),
-                                 len(prompt))
+        return await self.dispatch.open(
+            EngineRequest(request_id, prompt, params, cache_salt, affinity))
 
     @property
     def vocab_size(self) -> Optional[int]:

@@ -6,9 +6,12 @@ holder with real work queued still loses to an idle instance."""
 import asyncio
 import random
 
+import pytest
+
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.telemetry.metrics import RouterMetrics
 from pdserve.services.router.dispatch.requests import block_keys
+from pdserve.services.router.routing.backend import Routed
 from pdserve.services.router.routing.backends import BackendPool
 from pdserve.services.router.routing.candidate import RouteRequest
 from pdserve.services.router.routing.policies import make_policy
@@ -31,8 +34,7 @@ def _pool() -> BackendPool:
 def _send(pool: BackendPool, prompt: list[int]):
     """Routes and dispatches one prompt as the router's dispatch does; returns the lease."""
     keys, bs = block_keys(pool, prompt, None)
-    backend = pool.choose(RouteRequest(len(prompt), bs, 0, None), keys)
-    return backend.dispatch(len(prompt))
+    return pool.choose(RouteRequest(len(prompt), bs, 0, None), keys).dispatch(len(prompt))
 
 
 def _run(body):
@@ -47,6 +49,14 @@ def _run(body):
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 30000) for _ in range(n)]
+
+
+def _held(pool: BackendPool, rng: random.Random, blocks: int):
+    """(a history of `blocks` full blocks computed on one instance, that instance)."""
+    history = _tokens(rng, blocks * BS)
+    first = _send(pool, history)
+    pool.finish(first, ok=True)
+    return history, first.backend
 
 
 def test_the_queue_estimate_counts_only_what_the_instance_has_not_cached():
@@ -72,8 +82,7 @@ def test_the_engines_report_adds_only_what_is_not_ours():
         a = pool.backend(A)
         leases = []
         for _ in range(2):  # two 2,500-token prompts, 100 tokens of each not cached there
-            a.routed_uncached(100)
-            leases.append(a.dispatch(2500))
+            leases.append(a.dispatch(2500, uncached=100))
         a.record_success(a.health, pb.LoadResponse(num_waiting=2, num_waiting_tokens=5000))
         assert a.queue_tokens == 200
         # another router's 1,000-token prompt waits there too
@@ -82,7 +91,7 @@ def test_the_engines_report_adds_only_what_is_not_ours():
         for lease in leases:
             lease.first_token()
         assert (a.inflight_tokens, a.inflight_prompt_tokens) == (0, 0)
-        assert a.queue_tokens == 6000  # a report older than our first tokens: all counted
+        assert a.queue_tokens == 1000  # ours are computed; the other router's still waits
         for lease in leases:
             pool.finish(lease, ok=True)
     _run(body)
@@ -108,10 +117,7 @@ def test_a_holders_pending_cache_hits_do_not_push_its_next_turns_away():
 def test_a_holder_with_real_work_queued_loses_to_an_idle_instance():
     def body(pool):
         rng = random.Random(3)
-        history = _tokens(rng, 20 * BS)
-        first = _send(pool, history)
-        holder = first.backend
-        pool.finish(first, ok=True)
+        history, holder = _held(pool, rng, 20)
         queued = holder.dispatch(2000)  # an uncached prompt of 2000 tokens ahead there
         nxt = _send(pool, history + _tokens(rng, 30))
         assert nxt.backend is not holder  # 320 cached tokens do not pay for 2000 queued
@@ -156,4 +162,55 @@ def test_one_shared_system_prompt_does_not_draw_every_conversation_to_one_instan
         per = {a: sum(1 for lease in running if lease.backend.address == a) for a in (A, B)}
         assert max(per.values()) - min(per.values()) <= 5  # not 10 and 0
         assert min(per.values()) >= 3
+    _run(body)
+
+
+def test_each_routing_decision_carries_its_own_uncached_count():
+    """Two requests routed to one instance before either call opens (as two requests in one
+    turn of the loop can be) each count their own uncached tokens, not the other's."""
+    def body(pool):
+        rng = random.Random(6)
+        history, holder = _held(pool, rng, 50)
+        other = next(b for b in pool.backends if b is not holder)
+        hit_prompt, cold_prompt = history + _tokens(rng, 40), _tokens(rng, 300)
+        hit = pool.choose(RouteRequest(len(hit_prompt), BS, 0, None),
+                          block_keys(pool, hit_prompt, None)[0])
+        cold = pool.choose(RouteRequest(len(cold_prompt), BS, 0, None),
+                           block_keys(pool, cold_prompt, None)[0], exclude=(other,))
+        assert hit.backend is holder and cold.backend is holder
+        assert (hit.uncached, cold.uncached) == (40, 300)
+        leases = [hit.dispatch(len(hit_prompt)), cold.dispatch(len(cold_prompt))]
+        assert holder.inflight_tokens == 340
+        assert holder.inflight_prompt_tokens == len(hit_prompt) + len(cold_prompt)
+        for lease in leases:
+            pool.finish(lease, ok=True)
+        assert (holder.inflight, holder.inflight_tokens) == (0, 0)
+    _run(body)
+
+
+def test_a_routing_decision_refuses_a_negative_count():
+    def body(pool):
+        with pytest.raises(ValueError, match="uncached"):
+            Routed(pool.backends[0], -1)
+    _run(body)
+
+
+def test_a_report_older_than_our_first_token_does_not_push_a_conversation_away():
+    """The holder's last load report was read while the conversation's previous turn still
+    waited there; that turn has its answer since. Counting the report as it stands until the
+    next one made the holder look 640 tokens busy, and the next turn went to the other
+    instance to recompute the whole history."""
+    def body(pool):
+        rng = random.Random(7)
+        history = _tokens(rng, 40 * BS)
+        lease = _send(pool, history)
+        holder = lease.backend
+        holder.record_success(holder.health, pb.LoadResponse(
+            num_waiting=1, num_waiting_tokens=len(history)))
+        lease.first_token()
+        pool.finish(lease, ok=True)
+        assert (holder.active, holder.queue_tokens) == (0, 0)
+        nxt = _send(pool, history + _tokens(rng, 40))
+        assert nxt.backend is holder
+        pool.finish(nxt, ok=True)
     _run(body)

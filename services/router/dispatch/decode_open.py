@@ -60,9 +60,10 @@ async def open_decode(target: DecodeTarget, req: pb.DecodeRequest, route: RouteR
         if attempt:
             target.metrics.fallbacks.labels("decode_retry").inc()
             await asyncio.sleep(target.fallback.backoff_s * 2 ** (attempt - 1))
-        backend = target.pool.choose(route, keys, exclude=tried)  # 503 when none is left
+        routed = target.pool.choose(route, keys, exclude=tried)  # 503 when none is left
+        backend = routed.backend
         tried += (backend,)
-        lease = backend.dispatch(tokens_to_compute)
+        lease = routed.dispatch(tokens_to_compute)
         try:
             primed = await _prime(target, backend, lease, req)
             primed.resume = _Resume(req, route, tuple(keys), migrations, exclude)

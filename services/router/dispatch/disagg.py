@@ -31,7 +31,7 @@ import grpc
 
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.services.common.convert import FINISH_FROM_PROTO, logprob_from_proto
-from pdserve.services.router.routing.backend import Backend
+from pdserve.services.router.routing.backend import Backend, Routed
 from pdserve.services.router.routing.backends import BackendPool
 from pdserve.services.router.routing.candidate import RouteRequest
 from pdserve.services.router.config import RouterConfig
@@ -113,21 +113,23 @@ class DisaggRouter:
                 self.metrics.fallbacks.labels("prefill_retry").inc()
                 await asyncio.sleep(fb.backoff_s * 2 ** (attempt - 1))
             try:
-                backend = self.prefill.choose(route, keys, exclude=tried)
+                routed = self.prefill.choose(route, keys, exclude=tried)
             except APIError:
                 return None  # no (other) prefill instance is up
-            tried += (backend,)
+            tried += (routed.backend,)
             sent = time.monotonic()
-            resp = await self._prefill_on(backend, req, len(r.prompt))
+            resp = await self._prefill_on(routed, req, len(r.prompt) - stored * route.block_size)
             if resp is not None:
                 return _first_delta(resp), tuple(resp.block_keys), {
                     "router_queue_s": sent - t0, "prefill_queue_s": resp.timings.queue_s,
                     "prefill_compute_s": resp.timings.compute_s}
         return None
 
-    async def _prefill_on(self, backend: Backend, req, tokens: int):
-        """The instance's answer; None when it failed (counted, breaker told)."""
-        lease = backend.dispatch(tokens)
+    async def _prefill_on(self, routed: Routed, req, tokens: int):
+        """The instance's answer; None when it failed (counted, breaker told). `tokens`: the
+        prompt tokens it computes (the stored ones it loads left out)."""
+        backend = routed.backend
+        lease = routed.dispatch(tokens)
         ok: Optional[bool] = None
         try:
             with prefill_span(backend.address, req.request_id):

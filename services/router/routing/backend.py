@@ -6,11 +6,13 @@ says the prompt is computed (its tokens leave the queue estimate), `finish(ok)` 
 (idempotent) and tells the breaker how the call went (ok=None: neither, e.g. the client
 cancelled).
 
-The queue estimate counts the tokens the instance will compute, not the prompt's length: when
-the pool routes a prompt here it notes how much of it is not in this instance's prefix cache
-(`routed_uncached`), and the dispatch that follows counts at most that. Counting a cache hit's
-whole prompt made a conversation's holder look busy with work it would never do, so the next
-turns of its other conversations went elsewhere and recomputed their history.
+The queue estimate counts the tokens the instance will compute, not the prompt's length: a
+routing decision is a `Routed` value (the instance and how much of the prompt it has not
+cached), and its `dispatch()` counts at most that. Counting a cache hit's whole prompt made a
+conversation's holder look busy with work it would never do, so the next turns of its other
+conversations went elsewhere and recomputed their history. The decision's count travels
+with the decision, so two decisions for one instance before either dispatch cannot swap
+their counts.
 """
 
 from __future__ import annotations
@@ -55,13 +57,14 @@ class Backend:
         self.max_model_len: Optional[int] = None
         self.load: Optional[pb.LoadResponse] = None
         self.health: Optional[pb.HealthResponse] = None  # the last good answer
-        self.reported = InstanceLoad()  # the newest of GetLoad and the registry heartbeat
+        self.reported = InstanceLoad()  # the last GetLoad answer
+        self._others_active = 0  # what that answer held beyond our open calls then
+        self._others_tokens = 0
         self.cache_summary: frozenset = frozenset()  # block key prefixes it says it holds
         self.breaker = breaker or CircuitBreaker(3, 5.0)
         self.inflight = 0  # calls the router has open there
         self.inflight_tokens = 0  # their prompt tokens not computed yet (cached ones left out)
         self.inflight_prompt_tokens = 0  # the same calls' tokens as the caller gave them
-        self._uncached: Optional[int] = None  # the last routing decision's; the next dispatch
 
     def record_failure(self, unhealthy_after: int, why: str) -> None:
         self.failures += 1
@@ -76,21 +79,31 @@ class Backend:
         self.max_model_len = health.max_model_len or None
         self.load = load
         self.health = health
-        self.reported = InstanceLoad(load.num_running, load.num_waiting,
-                                     load.num_waiting_tokens, load.kv_usage)
+        self.observe(InstanceLoad(load.num_running, load.num_waiting, load.num_waiting_tokens,
+                                  load.kv_usage))
+
+    def observe(self, load: InstanceLoad) -> None:
+        """A load report read just now. What it holds beyond the router's own open calls is
+        other routers' work, fixed until the next report; the router's own part follows its
+        calls exactly from here on. (Taking the report as it stands until the next one made
+        a prompt that had its first token since look queued for up to a report interval,
+        and moved conversations off their holders.)"""
+        self.reported = load
+        self._others_active = max(0, load.running + load.waiting - self.inflight)
+        # the engine counts a waiting request at its whole prompt (its prefix match comes
+        # when it is scheduled), so ours come off at the length the engine counts them
+        self._others_tokens = max(0, load.waiting_tokens - self.inflight_prompt_tokens)
 
     @property
     def active(self) -> int:
-        return max(self.reported.running + self.reported.waiting, self.inflight)
+        """Requests running or waiting there: ours now, plus others' at the last report."""
+        return self.inflight + self._others_active
 
     @property
     def queue_tokens(self) -> int:
         """Prompt tokens it has to compute before a new request: ours (uncached only), plus
-        what its report holds beyond ours (other routers'). The engine reports a waiting
-        request with its whole prompt (its prefix match comes when it is scheduled), so the
-        report minus our own requests at the length the engine counts them is the rest."""
-        others = self.reported.waiting_tokens - self.inflight_prompt_tokens
-        return self.inflight_tokens + max(0, others)
+        other routers' at the last report."""
+        return self.inflight_tokens + self._others_tokens
 
     def summary_prefix(self, keys) -> int:
         """Leading `keys` in the cache summary the instance reported."""
@@ -100,23 +113,35 @@ class Backend:
             n += 1
         return n
 
-    def routed_uncached(self, tokens: int) -> None:
-        """The prompt just routed here has `tokens` not in this instance's prefix cache; the
-        next dispatch() (which follows the routing decision with no await between) counts
-        no more than that."""
-        self._uncached = max(0, tokens)
-
-    def dispatch(self, tokens: int) -> "Lease":
+    def dispatch(self, tokens: int, uncached: Optional[int] = None) -> "Lease":
         """`tokens`: prompt tokens the caller expects computed (store loads already left
-        out); capped by what the routing decision found uncached here."""
+        out); `uncached`: what the routing decision found not cached here (None: unknown),
+        a cap on what the queue estimate counts."""
         given = tokens
-        if self._uncached is not None:
-            tokens, self._uncached = min(tokens, self._uncached), None
+        if uncached is not None:
+            tokens = min(tokens, uncached)
         self.breaker.on_dispatch()
         self.inflight += 1
         self.inflight_tokens += tokens
         self.inflight_prompt_tokens += given
         return Lease(self, tokens, given, time.monotonic())
+
+
+@dataclass(frozen=True)
+class Routed:
+    """One routing decision: the instance chosen, and how many of the prompt's tokens it has
+    not cached (None when the KV geometry is unknown). `BackendPool.choose()` makes it; the
+    call that follows opens its lease with `dispatch()`."""
+
+    backend: Backend
+    uncached: Optional[int] = None
+
+    def __post_init__(self):
+        if self.uncached is not None and self.uncached < 0:
+            raise ValueError(f"uncached must be >= 0, got {self.uncached}")
+
+    def dispatch(self, tokens: int) -> "Lease":
+        return self.backend.dispatch(tokens, self.uncached)
 
 
 class Lease:

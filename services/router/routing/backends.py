@@ -7,7 +7,8 @@ first round of health checks and then a background task that repeats them every
 Membership also changes at run time: `sync(source, addresses)` (the registry watcher, the
 DNS resolver) adds instances (checked at once, used as soon as healthy) and retires those a
 source no longer lists (their channels close a minute later, after calls in flight).
-`choose()` asks the pool's policy among instances that are up and whose breaker allows.
+`choose()` asks the pool's policy among instances that are up and whose breaker allows; the
+decision (`Routed`: the instance and the prompt tokens it has not cached) opens the call.
 A pool holds one kind of instance: decode (or unified) instances answer health checks on
 DecodeService, prefill instances on PrefillService.
 Before an instance is used, its Health must name the model the router serves
@@ -29,7 +30,7 @@ from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.telemetry.metrics import RouterMetrics
 from pdserve.services.common.periodic import Periodic
 from pdserve.services.common.tls import TlsConfig
-from pdserve.services.router.routing.backend import Backend, Lease
+from pdserve.services.router.routing.backend import Backend, Lease, Routed
 from pdserve.services.router.routing.breaker import CircuitBreaker
 from pdserve.services.router.routing.candidate import Candidate, RouteRequest
 from pdserve.services.router.api.errors import unavailable
@@ -108,22 +109,20 @@ class BackendPool:
                 if b.up and b not in exclude and b.breaker.allows()]
 
     def choose(self, req: RouteRequest = RouteRequest(), keys: Sequence[bytes] = (),
-               exclude: tuple[Backend, ...] = ()) -> Backend:
+               exclude: tuple[Backend, ...] = ()) -> Routed:
         """The policy's pick; remembers that `keys` went there. 503 when none is left."""
         cands = self.candidates(keys, exclude)
         if not cands:
             raise unavailable(f"no {self.kind} instance is reachable; try again shortly")
         chosen = self.policy.choose(cands, req)
         backend = chosen.ref
-        if req.block_size:  # its queue estimate: the part of the prompt it has not cached
-            backend.routed_uncached(req.prompt_len - req.block_size * chosen.local_blocks)
+        uncached = None  # its queue estimate: the part of the prompt it has not cached
+        if req.block_size:
+            uncached = max(0, req.prompt_len - req.block_size * chosen.local_blocks)
         if keys:
             self.memory.record(keys, backend.address)
         self._metrics.routed.labels(self.kind, backend.address).inc()
-        return backend
-
-    def pick(self, exclude: tuple[Backend, ...] = ()) -> Backend:
-        return self.choose(exclude=exclude)
+        return Routed(backend, uncached)
 
     def report_failure(self, backend: Backend, why: str) -> None:
         backend.record_failure(self._unhealthy_after, why)

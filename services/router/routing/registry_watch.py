@@ -4,8 +4,9 @@ equal to the live entries.
 Lifecycle: `RegistryWatcher(cfg, pools).start()` reads the registry once and then
 every `interval_s`: it SCANs the entries, hands each role's addresses to its pool
 (`BackendPool.sync("registry", ...)`: new instances are health-checked at once and used as
-soon as healthy, vanished ones retire) and copies each entry's load and cache summary onto
-its Backend. An entry expires `ttl_s` after its instance's last heartbeat, so a dead instance
+soon as healthy, vanished ones retire) and copies each entry's cache summary onto its
+Backend (not its load: the pool's own GetLoad is fresher, and a heartbeat's load up to an
+interval old would count the router's own finished prefills as queued work). An entry expires `ttl_s` after its instance's last heartbeat, so a dead instance
 leaves within ttl + interval (health checks usually mark it down sooner). While Redis is
 unreachable the pools keep what they had. `stop()` ends the task and closes the connection.
 An entry that does not parse (record.py validates types, ranges and size), or that names
@@ -22,7 +23,6 @@ import redis.asyncio as aioredis
 from pdserve.services.common.periodic import Periodic
 from pdserve.services.registry.config import RegistryConfig
 from pdserve.services.registry.record import InstanceRecord
-from pdserve.services.router.routing.backend import InstanceLoad
 
 log = logging.getLogger(__name__)
 POOL_OF_ROLE = {"unified": "decode", "decode": "decode", "prefill": "prefill"}
@@ -87,10 +87,8 @@ class RegistryWatcher:
         for kind, pool in self._pools.items():
             mine = [r for r in records if POOL_OF_ROLE[r.role] == kind]
             pool.sync("registry", {r.address for r in mine})
-            for r in mine:
+            for r in mine:  # load comes from the pool's own GetLoad (see Backend.observe)
                 backend = pool.backend(r.address)
                 if backend is not None:
-                    backend.reported = InstanceLoad(r.running, r.waiting, r.waiting_tokens,
-                                                    r.kv_usage)
                     backend.cache_summary = r.cached
         return True
