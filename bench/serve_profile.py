@@ -87,9 +87,14 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--delay", type=float, default=0.0,
                     help="seconds to wait before the window opens (e.g. past the prefill)")
+    ap.add_argument("--after-first-step", type=float, default=0.0, metavar="MAX_S",
+                    help="> 0: before --delay, wait (up to MAX_S seconds) until the engine "
+                         "runs a step, i.e. the load began (a client's start takes a while)")
     ap.add_argument("--router-pid", type=int, default=0,
                     help="a local router's process id: also its CPU per generated token")
     args = ap.parse_args(argv)
+    if args.after_first_step > 0:
+        wait_for_a_step(args, time.monotonic() + args.after_first_step)
     time.sleep(args.delay)
     before = _snapshot(args.engine, args.tls_dir, args.engine_role)
     router0 = process_cpu_s(args.router_pid) if args.router_pid else 0.0
@@ -105,6 +110,16 @@ def main(argv=None) -> int:
         extra["router_cpu_ms_per_token"] = round(router_s * 1e3 / max(1, b.num_sampled), 4)
     _print(b, extra)
     return 0
+
+
+def wait_for_a_step(args, deadline: float, poll_s: float = 0.5) -> None:
+    """Returns once the engine's step count moved (or at `deadline`: the window then opens
+    anyway, and an idle window says so)."""
+    first = _snapshot(args.engine, args.tls_dir, args.engine_role)["num_steps"]
+    while time.monotonic() < deadline:
+        time.sleep(poll_s)
+        if _snapshot(args.engine, args.tls_dir, args.engine_role)["num_steps"] != first:
+            return
 
 
 def _print(b: Breakdown, extra: dict) -> None:
