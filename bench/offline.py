@@ -17,6 +17,13 @@ kept packed and expanded to fp32 (docs/packed-weights.md), and prints packed_vs_
 packed time), each engine's resident weight bytes and the KV blocks each gets for the same
 --memory-budget-bytes.
 
+The engine timed is the one `pdserve serve` / `pdserve up` runs with the same flags
+(bench/offline_engine.py: its EngineConfig comes from EngineServiceConfig, so --max-num-seqs,
+--max-num-batched-tokens, --max-model-len, --cpu-gemm, --no-prefix-caching and the weights
+default alike); the headline `pdserve_output_tok_s` is the first --weights mode's (packed with
+`both`), and the JSON's `engine` says the settings. Against a stack started with `--weights
+fp32`, give `--weights fp32` here too.
+
 --kv-cache-dtype bfloat16|float16 runs the engines with a half KV cache (docs/half-precision.md)
 and, in the same repeats, an fp32-KV engine with the first weights mode as its peer: it prints
 half_kv_vs_fp32_kv (fp32-KV time / half-KV time) and ceiling_fraction_fastest_gemm_fp32_kv.
@@ -305,6 +312,11 @@ def report(args, cfg, n_prompts, concurrency, ours, theirs, extra: dict) -> None
     if extra:
         print(f"cpu: {extra['cpu']} (packed kernel: {extra['packed_kernel_simd']}), "
               f"threads {args.num_threads}")
+    e = extra["engine"]
+    print(f"pdserve's row: the engine `pdserve serve` runs with weights {e['weights']}, "
+          f"max_num_seqs {e['max_num_seqs']}, max_num_batched_tokens "
+          f"{e['max_num_batched_tokens']}, prefix caching "
+          f"{'on' if e['enable_prefix_caching'] else 'off'}, cpu_gemm {e['cpu_gemm']}")
     if theirs:
         print(f"ratio pdserve/transformers: {res['ratio']:.2f}")
     if "fp32_kv_s" in res:
