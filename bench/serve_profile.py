@@ -102,7 +102,10 @@ def main(argv=None) -> int:
     time.sleep(args.duration)
     b = delta_breakdown(before, _snapshot(args.engine, args.tls_dir, args.engine_role))
     wall = time.monotonic() - t0
-    extra = {"window_s": round(wall, 3),
+    period = wall * 1e3 / b.num_steps  # one step to the next, the engine's ITL floor
+    extra = {"window_s": round(wall, 3), "period_ms": round(period, 3),
+             "outside_step_ms": round(period - b.step_ms, 3),
+             "mean_batch": round(b.num_sampled / b.num_steps, 2),
              "process_cores": round(b.cpu_ms_per_step["process_cpu"] * b.num_steps / 1e3
                                     / wall, 3)}
     if args.router_pid:
@@ -128,6 +131,8 @@ def _print(b: Breakdown, extra: dict) -> None:
         print(f"  {p:<9} {b.ms_per_step[p]:8.3f} ms/step")
     print(f"  engine thread {b.step_ms:.3f} ms/step; messages/token "
           f"{b.num_messages / max(1, b.num_sampled):.2f}")
+    print(f"  a step every {extra['period_ms']:.3f} ms: {extra['outside_step_ms']:.3f} ms of it "
+          f"outside the step (command drain, stats, idle); mean batch {extra['mean_batch']}")
     cpu = b.cpu_ms_per_step
     print(f"  CPU ms/step: engine thread {cpu['step_cpu']:.3f}, event loop "
           f"{cpu['loop_cpu']:.3f}, whole process {cpu['process_cpu']:.3f} "
