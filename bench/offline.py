@@ -189,7 +189,8 @@ def run_offline(args) -> int:
     concurrency = 1 if args.batch1 else n_prompts
 
     def engine(m: str, kv_dtype: str):
-        config = served_engine_config(args, m, kv_dtype, concurrency)
+        config = served_engine_config(args, m, kv_dtype, concurrency,
+                                      args.input_len + args.output_len)
         check_fits(config, args.input_len, args.output_len)
         return LLM(config, loaded=loaded[m])
 

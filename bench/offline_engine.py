@@ -36,15 +36,15 @@ def add_served_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def served_engine_config(args, weights: str, kv_cache_dtype: str, concurrency: int,
-                         num_threads: Optional[int] = None,
+                         tokens_per_request: int, num_threads: Optional[int] = None,
                          parallel: Optional[ParallelConfig] = None) -> EngineConfig:
     """The EngineConfig an engine service builds from `args`' engine flags, with `weights`,
-    `kv_cache_dtype`, and a KV cache that holds `concurrency` requests of --input-len +
-    --output-len tokens (see the module docstring)."""
+    `kv_cache_dtype`, and a KV cache that holds `concurrency` requests of `tokens_per_request`
+    tokens each (see the module docstring)."""
     from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
 
     block = args.block_size or EngineServiceConfig.block_size
-    tokens = concurrency * (args.input_len + args.output_len)
+    tokens = concurrency * tokens_per_request
     num_blocks = -(-tokens // block) + 2 * concurrency + 16  # + partial blocks, + slack
 
     given = {name: value for name, value in (

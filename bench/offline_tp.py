@@ -40,8 +40,8 @@ def run_offline_tp(args) -> int:
     def config(size: tuple[int, int], threads: int) -> EngineConfig:
         parallel = ParallelConfig(tensor_parallel_size=size[0], pipeline_parallel_size=size[1],
                                   all_reduce=args.tp_all_reduce)
-        cfg = served_engine_config(args, weights, args.kv_cache_dtype, concurrency, threads,
-                                   parallel)
+        cfg = served_engine_config(args, weights, args.kv_cache_dtype, concurrency,
+                                   args.input_len + args.output_len, threads, parallel)
         check_fits(cfg, args.input_len, args.output_len)
         return cfg
 

@@ -17,7 +17,8 @@ def _both(flags: list[str], offline_only: tuple = ()):
     served = engine_service_config(parser.parse_args(["serve", "decode", *flags]))
     off_args = parser.parse_args(["bench", "offline", *flags, *offline_only])
     weights = "packed" if off_args.weights == "both" else off_args.weights
-    offline = served_engine_config(off_args, weights, off_args.kv_cache_dtype, concurrency=8)
+    offline = served_engine_config(off_args, weights, off_args.kv_cache_dtype, concurrency=8,
+                                   tokens_per_request=off_args.input_len + off_args.output_len)
     return served.engine_config(), offline
 
 
