@@ -4,7 +4,9 @@
 
 For each batch size B: B random prompts of --input-len tokens are prefilled, then
 --decode-steps steps that are decodes only (B rows each) are timed one by one; prints the
-median per B, then one JSON line {"decode_step_ms": {B: ms}, "cpu": ...}.
+median per B, then one JSON line {"decode_step_ms": {B: ms}, "cpu": ...}. The engine is the one
+`pdserve serve` runs with the same flags (bench/offline_engine.py; --weights too: give
+`--weights fp32` against a `--weights fp32` stack).
 """
 
 from __future__ import annotations
