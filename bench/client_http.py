@@ -9,7 +9,7 @@ import httpx
 
 from pdserve.bench.record import StreamTrace
 from pdserve.bench.request import BenchRequest
-from pdserve.bench.sse import apply_chunk
+from pdserve.bench.sse import apply_chunk, sse_lines
 from pdserve.bench.target import TargetConfig
 
 
@@ -55,7 +55,7 @@ class HttpClient:
                     text = (await resp.aread()).decode(errors="replace")
                     trace.error = f"HTTP {resp.status_code}: {text[:300]}"
                     return
-                async for line in resp.aiter_lines():
+                async for line in sse_lines(resp.aiter_bytes()):
                     if line.startswith("data:") and not apply_chunk(
                             trace, line[5:].strip(), time.perf_counter()):
                         break

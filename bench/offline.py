@@ -17,6 +17,13 @@ kept packed and expanded to fp32 (docs/packed-weights.md), and prints packed_vs_
 packed time), each engine's resident weight bytes and the KV blocks each gets for the same
 --memory-budget-bytes.
 
+The engine timed is the one `pdserve serve` / `pdserve up` runs with the same flags
+(bench/offline_engine.py: its EngineConfig comes from EngineServiceConfig, so --max-num-seqs,
+--max-num-batched-tokens, --max-model-len, --cpu-gemm, --no-prefix-caching and the weights
+default alike); the headline `pdserve_output_tok_s` is the first --weights mode's (packed with
+`both`), and the JSON's `engine` says the settings. Against a stack started with `--weights
+fp32`, give `--weights fp32` here too.
+
 --kv-cache-dtype bfloat16|float16 runs the engines with a half KV cache (docs/half-precision.md)
 and, in the same repeats, an fp32-KV engine with the first weights mode as its peer: it prints
 half_kv_vs_fp32_kv (fp32-KV time / half-KV time) and ceiling_fraction_fastest_gemm_fp32_kv.
@@ -42,8 +49,8 @@ def add_offline_subcommand(sub) -> None:
                    "at a time (uses --num-prompts prompts, default 4 in this mode)")
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--cpu-gemm", choices=["auto", "onednn", "torch"], default="auto")
+    from pdserve.bench.offline_engine import add_served_engine_args
+    add_served_engine_args(p)  # the served engine's settings, same defaults (offline_engine)
     p.add_argument("--skip-hf", action="store_true", help="only our engine (no ratio)")
     p.add_argument("--weights", choices=["both", "packed", "fp32"], default="both",
                    help="engine weights: packed GGUF blocks, fp32, or both side by side")
@@ -165,7 +172,7 @@ def weights_modes(choice: str) -> list[str]:
 def run_offline(args) -> int:
     import dataclasses
 
-    from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.bench.offline_engine import check_fits, served_engine_config
     from pdserve.common.engine.llm import LLM
     from pdserve.common.models.registry import expand_weights, load_model
     import torch
@@ -180,17 +187,12 @@ def run_offline(args) -> int:
     cfg = loaded[modes[0]].config
     prompts = random_prompts(n_prompts, args.input_len, cfg.vocab_size, args.seed)
     concurrency = 1 if args.batch1 else n_prompts
-    tokens_needed = concurrency * (args.input_len + args.output_len)
 
     def engine(m: str, kv_dtype: str):
-        return LLM(EngineConfig(
-            model=args.model, num_threads=args.num_threads, cpu_gemm=args.cpu_gemm, weights=m,
-            dtype=args.dtype, kv_cache_dtype=kv_dtype,
-            cache=CacheConfig(num_blocks=tokens_needed // 16 + 2 * concurrency + 16),
-            scheduler=SchedulerConfig(max_num_seqs=concurrency,
-                                      max_num_batched_tokens=args.max_num_batched_tokens,
-                                      max_model_len=args.input_len + args.output_len + 16)),
-            loaded=loaded[m])
+        config = served_engine_config(args, m, kv_dtype, concurrency,
+                                      args.input_len + args.output_len)
+        check_fits(config, args.input_len, args.output_len)
+        return LLM(config, loaded=loaded[m])
 
     llms = {m: engine(m, args.kv_cache_dtype) for m in modes}
     half_kv = args.kv_cache_dtype in ("bfloat16", "float16")
@@ -214,8 +216,20 @@ def run_offline(args) -> int:
     if ours_fp32_kv:
         extra["fp32_kv_s"] = statistics.median(ours_fp32_kv)
         extra["half_kv_vs_fp32_kv"] = extra["fp32_kv_s"] / statistics.median(ours[modes[0]])
+    extra["engine"] = engine_settings(llms[modes[0]].engine.config)
     report(args, cfg, n_prompts, concurrency, ours[modes[0]], theirs, extra)
     return 0
+
+
+def engine_settings(config) -> dict:
+    """The timed engine's settings that decide a step's work (the JSON line says them, so a
+    served run can be matched against it)."""
+    sc = config.scheduler
+    return {"weights": config.weights, "cpu_gemm": config.cpu_gemm,
+            "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
+            "max_model_len": sc.max_model_len, "block_size": config.cache.block_size,
+            "enable_prefix_caching": config.cache.enable_prefix_caching,
+            "num_threads": config.num_threads}
 
 
 def weights_report(args, cfg, llms, ours, n_out: int) -> dict:
@@ -242,10 +256,10 @@ def weights_report(args, cfg, llms, ours, n_out: int) -> dict:
     return res
 
 
-def report(args, cfg, n_prompts, concurrency, ours, theirs, extra: dict | None = None) -> None:
+def report(args, cfg, n_prompts, concurrency, ours, theirs, extra: dict) -> None:
     body, head = matmul_params(cfg)
     n_in, n_out = n_prompts * args.input_len, n_prompts * args.output_len
-    prefill_m = min(args.max_num_batched_tokens, concurrency * args.input_len)
+    prefill_m = min(extra["engine"]["max_num_batched_tokens"], concurrency * args.input_len)
     rates_prefill = best_rate(cfg, prefill_m, with_head=False)
     rates_decode = best_rate(cfg, concurrency, with_head=True)
 
@@ -299,6 +313,11 @@ def report(args, cfg, n_prompts, concurrency, ours, theirs, extra: dict | None =
     if extra:
         print(f"cpu: {extra['cpu']} (packed kernel: {extra['packed_kernel_simd']}), "
               f"threads {args.num_threads}")
+    e = extra["engine"]
+    print(f"pdserve's row: the engine `pdserve serve` runs with weights {e['weights']}, "
+          f"max_num_seqs {e['max_num_seqs']}, max_num_batched_tokens "
+          f"{e['max_num_batched_tokens']}, prefix caching "
+          f"{'on' if e['enable_prefix_caching'] else 'off'}, cpu_gemm {e['cpu_gemm']}")
     if theirs:
         print(f"ratio pdserve/transformers: {res['ratio']:.2f}")
     if "fp32_kv_s" in res:

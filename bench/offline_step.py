@@ -4,7 +4,9 @@
 
 For each batch size B: B random prompts of --input-len tokens are prefilled, then
 --decode-steps steps that are decodes only (B rows each) are timed one by one; prints the
-median per B, then one JSON line {"decode_step_ms": {B: ms}, "cpu": ...}.
+median per B, then one JSON line {"decode_step_ms": {B: ms}, "cpu": ...}. The engine is the one
+`pdserve serve` runs with the same flags (bench/offline_engine.py; --weights too: give
+`--weights fp32` against a `--weights fp32` stack).
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ import time
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
+    from pdserve.bench.offline_engine import add_served_engine_args, served_engine_config
+    from pdserve.common.engine.cli import add_weights_arg
+
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--weights", default="fp32", choices=["packed", "fp32"])
+    add_weights_arg(ap)  # --weights, --dtype, --kv-cache-dtype: the served engine's defaults
+    add_served_engine_args(ap)  # the served engine's settings (bench/offline_engine.py)
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=32)
@@ -33,8 +39,13 @@ def main(argv=None) -> int:
     from pdserve.common.engine.llm import LLM
     from pdserve.common.sampling_params import SamplingParams
 
-    llm = LLM(model=args.model, weights=args.weights, num_threads=args.num_threads)
+    # the engine a served instance runs with these flags, its KV sized to the largest batch
+    llm = LLM(served_engine_config(args, args.weights, args.kv_cache_dtype, max(args.batch),
+                                   args.input_len + args.decode_steps + 2))
     core, rng = llm.engine, random.Random(0)
+    if max(args.batch) > llm.engine.config.scheduler.max_num_seqs:
+        raise ValueError(f"--batch {max(args.batch)} exceeds max_num_seqs "
+                         f"{llm.engine.config.scheduler.max_num_seqs}: raise --max-num-seqs")
     vocab = core.model_config.vocab_size
     res = {}
     for b in args.batch:

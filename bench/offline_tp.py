@@ -23,28 +23,27 @@ def run_offline_tp(args) -> int:
     from pdserve.bench.allreduce_cpu import CALLS_PER_DECODE_STEP, cpu_name
     from pdserve.bench.allreduce_cpu import run as run_allreduce
     from pdserve.bench.offline import random_prompts, run_ours
-    from pdserve.common.config import (CacheConfig, EngineConfig, ParallelConfig,
-                                       SchedulerConfig)
+    from pdserve.bench.offline import weights_modes
+    from pdserve.bench.offline_engine import check_fits, served_engine_config
+    from pdserve.common.config import EngineConfig, ParallelConfig
     from pdserve.common.engine.llm import LLM
     from pdserve.common.models.registry import load_model
 
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     world = tp * pp
     n_prompts = 4 if args.batch1 and args.num_prompts == 64 else args.num_prompts
-    loaded = load_model(args.model)
+    weights = weights_modes(args.weights)[0]  # one mode here: the first of --weights
+    loaded = load_model(args.model, weights=weights)
     prompts = random_prompts(n_prompts, args.input_len, loaded.config.vocab_size, args.seed)
     concurrency = 1 if args.batch1 else n_prompts
-    tokens_needed = concurrency * (args.input_len + args.output_len)
 
     def config(size: tuple[int, int], threads: int) -> EngineConfig:
-        return EngineConfig(
-            model=args.model, num_threads=threads, cpu_gemm=args.cpu_gemm,
-            cache=CacheConfig(num_blocks=tokens_needed // 16 + 2 * concurrency + 16),
-            scheduler=SchedulerConfig(max_num_seqs=concurrency,
-                                      max_num_batched_tokens=args.max_num_batched_tokens,
-                                      max_model_len=args.input_len + args.output_len + 16),
-            parallel=ParallelConfig(tensor_parallel_size=size[0], pipeline_parallel_size=size[1],
-                                    all_reduce=args.tp_all_reduce))
+        parallel = ParallelConfig(tensor_parallel_size=size[0], pipeline_parallel_size=size[1],
+                                  all_reduce=args.tp_all_reduce)
+        cfg = served_engine_config(args, weights, args.kv_cache_dtype, concurrency,
+                                   args.input_len + args.output_len, threads, parallel)
+        check_fits(cfg, args.input_len, args.output_len)
+        return cfg
 
     single_threads = world * args.num_threads
     single = LLM(config((1, 1), single_threads), loaded=loaded)

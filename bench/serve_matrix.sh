@@ -36,7 +36,8 @@ for T in 1.0 0.0; do
     if [ "$T" = 1.0 ] && [ "$RATE" = inf ]; then
       # after the client's start and the prompts' prefill (all arrive at once): a
       # decode-heavy window; the router's CPU per generated token beside the engine's steps
-      $PY -m pdserve.bench.serve_profile --engine "$ENGINE" --delay "${PROFILE_DELAY:-45}" \
+      $PY -m pdserve.bench.serve_profile --engine "$ENGINE" --after-first-step 600 \
+        --delay "${PROFILE_DELAY:-30}" \
         --duration "${PROFILE_S:-30}" ${ROUTER_PID:+--router-pid "$ROUTER_PID"} \
         > "$OUT/profile.txt" 2>&1 &
       PROF=$!
@@ -51,7 +52,8 @@ kill -TERM $UP; wait $UP || true
 trap - EXIT
 for T in 0.0 1.0; do
   $PDS bench offline --model smollm2 --weights fp32 --num-prompts 64 --input-len 256 \
-    --output-len 128 --num-threads 2 --skip-hf --repeats 1 --temperature "$T" | tail -1 \
+    --output-len 128 --num-threads 2 --skip-hf --repeats 1 --temperature "$T" \
+    --no-prefix-caching | tail -1 \
     | sed "s/^/offline t=$T /"
 done
 $PY -m pdserve.bench.offline_step --weights fp32 --batch 2 4 8 16 32 64 --num-threads 2 | tail -1 \

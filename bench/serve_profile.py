@@ -87,9 +87,14 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--delay", type=float, default=0.0,
                     help="seconds to wait before the window opens (e.g. past the prefill)")
+    ap.add_argument("--after-first-step", type=float, default=0.0, metavar="MAX_S",
+                    help="> 0: before --delay, wait (up to MAX_S seconds) until the engine "
+                         "runs a step, i.e. the load began (a client's start takes a while)")
     ap.add_argument("--router-pid", type=int, default=0,
                     help="a local router's process id: also its CPU per generated token")
     args = ap.parse_args(argv)
+    if args.after_first_step > 0:
+        wait_for_a_step(args, time.monotonic() + args.after_first_step)
     time.sleep(args.delay)
     before = _snapshot(args.engine, args.tls_dir, args.engine_role)
     router0 = process_cpu_s(args.router_pid) if args.router_pid else 0.0
@@ -97,7 +102,10 @@ def main(argv=None) -> int:
     time.sleep(args.duration)
     b = delta_breakdown(before, _snapshot(args.engine, args.tls_dir, args.engine_role))
     wall = time.monotonic() - t0
-    extra = {"window_s": round(wall, 3),
+    period = wall * 1e3 / b.num_steps  # one step to the next, the engine's ITL floor
+    extra = {"window_s": round(wall, 3), "period_ms": round(period, 3),
+             "outside_step_ms": round(period - b.step_ms, 3),
+             "mean_batch": round(b.num_sampled / b.num_steps, 2),
              "process_cores": round(b.cpu_ms_per_step["process_cpu"] * b.num_steps / 1e3
                                     / wall, 3)}
     if args.router_pid:
@@ -107,12 +115,24 @@ def main(argv=None) -> int:
     return 0
 
 
+def wait_for_a_step(args, deadline: float, poll_s: float = 0.5) -> None:
+    """Returns once the engine's step count moved (or at `deadline`: the window then opens
+    anyway, and an idle window says so)."""
+    first = _snapshot(args.engine, args.tls_dir, args.engine_role)["num_steps"]
+    while time.monotonic() < deadline:
+        time.sleep(poll_s)
+        if _snapshot(args.engine, args.tls_dir, args.engine_role)["num_steps"] != first:
+            return
+
+
 def _print(b: Breakdown, extra: dict) -> None:
     print(f"{b.num_steps} steps, {b.num_sampled} tokens sampled, {b.num_messages} messages")
     for p in PHASES:
         print(f"  {p:<9} {b.ms_per_step[p]:8.3f} ms/step")
     print(f"  engine thread {b.step_ms:.3f} ms/step; messages/token "
           f"{b.num_messages / max(1, b.num_sampled):.2f}")
+    print(f"  a step every {extra['period_ms']:.3f} ms: {extra['outside_step_ms']:.3f} ms of it "
+          f"outside the step (command drain, stats, idle); mean batch {extra['mean_batch']}")
     cpu = b.cpu_ms_per_step
     print(f"  CPU ms/step: engine thread {cpu['step_cpu']:.3f}, event loop "
           f"{cpu['loop_cpu']:.3f}, whole process {cpu['process_cpu']:.3f} "

@@ -151,6 +151,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_releasing_gil(self, text: str) -> list[int]:
+        """`encode(text)`, through the Rust batch entry point, which releases the GIL while it
+        runs (`encode` holds it), so other Python threads go on meanwhile; about 0.1 ms dearer
+        per call, worth it for long texts tokenized off an event loop."""
+        return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

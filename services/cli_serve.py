@@ -240,13 +240,21 @@ def _setup_logging() -> None:
 
 def _run_engine(args) -> int:
     from pdserve.services.engine_host.engine_server import run_engine_server
+
+    _setup_logging()
+    asyncio.run(run_engine_server(engine_service_config(args)))
+    return 0
+
+
+def engine_service_config(args):
+    """The EngineServiceConfig of `pdserve serve decode|prefill` flags (bench offline's engine
+    is checked against it: tests/unit/test_bench_offline_engine.py)."""
     from pdserve.common.engine.cli import parallel_config
     from pdserve.services.common.tls_args import tls_from_args
     from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
     from pdserve.services.registry.config import Registration
 
-    _setup_logging()
-    cfg = EngineServiceConfig(
+    return EngineServiceConfig(
         role=args.role, host=args.host, port=args.port, model=args.model,
         tiny_seed=args.tiny_seed, num_threads=args.num_threads,
         cpus=tuple(int(c) for c in args.cpus.split(",") if c),
@@ -268,8 +276,6 @@ def _run_engine(args) -> int:
         attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm, weights=args.weights,
         dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, parallel=parallel_config(args),
         tls=tls_from_args(args, "prefill" if args.role == "prefill" else "decode"))
-    asyncio.run(run_engine_server(cfg))
-    return 0
 
 
 def _run_router(args) -> int:

@@ -24,6 +24,9 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_releasing_gil(self, text: str) -> list[int]:
+        return self.encode(text)
+
     def decode(self, ids, skip_special_tokens=True) -> str:
         return bytes(i for i in ids if i).decode("utf-8", errors="replace")
 

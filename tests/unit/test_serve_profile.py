@@ -46,3 +46,20 @@ def test_process_cpu_reads_this_process():
 
     t = process_cpu_s(os.getpid())
     assert t > 0 and abs(t - time.process_time()) < 0.5
+
+
+def test_the_window_waits_for_the_first_step(monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    from pdserve.bench import serve_profile
+
+    counts = iter([5, 5, 5, 6, 7])
+    monkeypatch.setattr(serve_profile, "_snapshot", lambda *a: {"num_steps": next(counts)})
+    args = SimpleNamespace(engine="x", tls_dir="", engine_role="decode")
+    serve_profile.wait_for_a_step(args, time.monotonic() + 60, poll_s=0)
+    assert next(counts) == 7  # returned on the first moved count (6), no further poll
+    idle = iter([3] * 1000)
+    monkeypatch.setattr(serve_profile, "_snapshot", lambda *a: {"num_steps": next(idle)})
+    serve_profile.wait_for_a_step(args, time.monotonic() - 1, poll_s=0)  # past the deadline
+    assert next(idle) == 3 and len(list(idle)) == 998  # one snapshot, no poll

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -15,7 +16,8 @@ from pdserve.services.common.convert import (FINISH_FROM_PROTO, MAX_REQUEST_ID_C
 from pdserve.services.router.api.deadline import deadline_for, iterate_within, within
 from pdserve.services.router.api.errors import APIError, bad_request
 from pdserve.services.router.dispatch.job import Choice, Job
-from pdserve.services.router.api.prompts import chat_prompt, check_length
+from pdserve.services.router.api.prompts import (OFF_LOOP_BODY_BYTES, chat_prompt,
+                                                 check_length, encode_text)
 from pdserve.services.router.api.request_meta import (grpc_peer_host, meta_from_headers,
                                                       metadata_getter)
 from pdserve.services.router.api.router_tracing import request_span
@@ -39,7 +41,10 @@ class RouterServicer(pb_grpc.RouterServicer):
             meta = meta_from_headers(metadata_getter(metadata),
                                      self._state.config.routing.affinity_header,
                                      client=grpc_peer_host(context.peer() or ""))
-            job = self._job(request)
+            if request.ByteSize() < OFF_LOOP_BODY_BYTES:
+                job = self._job(request)
+            else:  # a long prompt: tokenized on a worker thread, GIL released (encode_text)
+                job = await asyncio.to_thread(self._job, request)
             gate = self._state.gate
             if gate is not None:
                 meta = gate.identify(meta)
@@ -99,7 +104,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         kind = request.WhichOneof("input")
         limits = state.config.limits
         if kind == "text":
-            ids = state.tokenizer.encode(request.text)
+            ids = encode_text(state.tokenizer, request.text)
         elif kind == "token_ids":
             ids = list(request.token_ids.ids)
             check_token_ids(ids, state.vocab_size, "input")

@@ -25,6 +25,7 @@ from pdserve.services.router.dispatch.job_run import JobRun
 from pdserve.services.router.api.request_meta import meta_from_headers
 from pdserve.services.router.api.router_tracing import request_span
 from pdserve.services.router.api.openai_jobs import chat_job, completion_job
+from pdserve.services.router.api.prompts import OFF_LOOP_BODY_BYTES
 from pdserve.services.router.api.openai_protocol import (ChatCompletionRequest,
                                                         CompletionRequest, check_fields)
 from pdserve.services.router.api.responses import (ChatFormat, CompletionFormat, collect,
@@ -125,7 +126,7 @@ async def _generate(request: Request, state: RouterState, endpoint: str, body_ty
         if state.gate is not None:
             meta = state.gate.identify(meta)  # before reading what an unknown caller sent
         body = await _parse(request, body_type)
-        job = job_fn(body, state, uuid.uuid4().hex)  # our id: a client's is only echoed
+        job = await build_job(job_fn, body, state, len(await request.body()))
         if state.gate is not None:
             job = state.gate.isolate(job, meta)
         meta = dataclasses.replace(meta, affinity=meta.affinity or body.user or None)
@@ -154,6 +155,16 @@ async def _generate(request: Request, state: RouterState, endpoint: str, body_ty
     if echo and len(echo) <= MAX_REQUEST_ID_CHARS:
         response.headers["x-request-id"] = echo
     return response  # counted by EdgeMiddleware, with every other response
+
+
+async def build_job(job_fn, body, state: RouterState, body_bytes: int):
+    """`job_fn(body, state, id)`, our id (a client's is only echoed). A large body (a long
+    prompt) builds it on a worker thread: its tokenization releases the GIL
+    (prompts.encode_text), so the loop streams other requests' tokens meanwhile."""
+    request_id = uuid.uuid4().hex
+    if body_bytes < OFF_LOOP_BODY_BYTES:
+        return job_fn(body, state, request_id)
+    return await asyncio.to_thread(job_fn, body, state, request_id)
 
 
 async def _parse(request: Request, body_type):
