@@ -290,7 +290,15 @@ inline void expand(const uint8_t* b, int s, vec* w) {  // 4 vectors
     expand_k<QT>(b, s, w);
     return;
   }
+#if defined(__F16C__)
+  // d (and Q4_1's m) from one 4-byte broadcast and one conversion: [d, m] in every pair
+  uint32_t dm;
+  std::memcpy(&dm, b, 4);
+  const __m256 both = _mm256_cvtph_ps(_mm_set1_epi32(static_cast<int>(dm)));
+  const vec d = _mm256_permute_ps(both, 0x00);
+#else
   const vec d = _mm256_set1_ps(half_at(b));
+#endif
   if constexpr (QT == kQ8_0) {
     for (int j = 0; j < 4; ++j) {
       const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j));
@@ -298,14 +306,24 @@ inline void expand(const uint8_t* b, int s, vec* w) {  // 4 vectors
     }
   } else {
     const uint8_t* qs = b + (QT == kQ4_1 ? 4 : 2);
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(q, mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-    const vec e[4] = {u8_to_f(lo), u8_to_f(_mm_srli_si128(lo, 8)), u8_to_f(hi),
-                      u8_to_f(_mm_srli_si128(hi, 8))};
+    // bytes 0 .. 7 and 8 .. 15 widened to dwords straight from memory (vpmovzxbd m64), then
+    // split into nibbles at 32 bits (the upper bytes are zero, so >> 4 is the high nibble):
+    // 10 vector ops per block where widening split nibble bytes took 14
+    const auto* q0 = reinterpret_cast<const __m128i*>(qs);
+    const auto* q1 = reinterpret_cast<const __m128i*>(qs + 8);
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q0));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q1));
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    const vec e[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)),
+                      _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)),
+                      _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)),
+                      _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
     if constexpr (QT == kQ4_1) {
+#if defined(__F16C__)
+      const vec m = _mm256_permute_ps(both, 0x55);
+#else
       const vec m = _mm256_set1_ps(half_at(b + 2));
+#endif
       for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(d, e[j], m);
     } else {
       const vec eight = _mm256_set1_ps(8.f);
