@@ -62,7 +62,7 @@ def parallel_argv(args) -> list[str]:
 
 def add_weights_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=WEIGHTS_MODES, default=EngineConfig.weights,
-                   help="packed: a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K matrices stay packed in "
+                   help="packed: a GGUF's Q4_0/Q4_1/Q8_0/Q2_K..Q6_K matrices stay packed in "
                    "memory and "
                    "multiply in fp32 (docs/packed-weights.md); fp32: expand them at load")
     p.add_argument("--dtype", choices=DTYPES, default=EngineConfig.dtype,

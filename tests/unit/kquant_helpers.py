@@ -10,9 +10,7 @@ from gguf.quants import dequantize
 
 from pdserve.common.models.quant.packed import PackedWeight, QType
 
-KQUANTS = [QType.Q4_K, QType.Q5_K, QType.Q6_K]
-# byte offsets of the fp16 fields of each super-block: d and dmin, or Q6_K's d (at the end)
-_HALF_FIELDS = {QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,)}
+KQUANTS = [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K]
 
 
 def random_kquant_rows(qtype: QType, n: int, k: int, seed: int = 0, scale: float = 1e-2
@@ -22,7 +20,7 @@ def random_kquant_rows(qtype: QType, n: int, k: int, seed: int = 0, scale: float
     rng = np.random.default_rng(seed)
     nb = k // qtype.block_size
     blocks = rng.integers(0, 256, size=(n, nb, qtype.block_bytes), dtype=np.uint8)
-    for off in _HALF_FIELDS[qtype]:
+    for off in qtype.half_offsets:
         halves = (rng.standard_normal((n, nb)) * scale).astype(np.float16)
         halves[rng.random((n, nb)) < 0.05] = np.float16(3e-6)  # fp16 subnormal
         blocks[:, :, off:off + 2] = halves.view(np.uint8).reshape(n, nb, 2)

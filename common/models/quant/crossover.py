@@ -31,10 +31,6 @@ SHAPES = {"smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
           "smollm2-1.7b": [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]}
 
 
-# byte offsets of each block's fp16 fields (scale d; min m or dmin); Q6_K's d comes last
-_HALF_FIELDS = {QType.Q4_0: (0,), QType.Q8_0: (0,), QType.Q4_1: (0, 2), QType.Q4_K: (0, 2),
-                QType.Q5_K: (0, 2), QType.Q6_K: (208,)}
-
 
 def _weights(qtype: QType, layers: int, shapes) -> list[PackedWeight]:
     rng = np.random.default_rng(0)
@@ -48,7 +44,7 @@ def _fix_scales(ws: list[PackedWeight]) -> None:
     """Random bytes include NaN/inf fp16 scales; make every d (+2^-7) and min (-2^-7) finite."""
     for w in ws:
         blocks = w.data.view(w.out_features, -1, w.qtype.block_bytes)
-        for i, off in enumerate(_HALF_FIELDS[w.qtype]):
+        for i, off in enumerate(w.qtype.half_offsets):
             blocks[..., off:off + 2] = torch.tensor([0x00, 0x20 if i == 0 else 0xA0],
                                                     dtype=torch.uint8)
 

@@ -2,14 +2,14 @@
 
 A packed weight is the GGUF tensor's bytes, row by row: [N, K / block_size * block_bytes] uint8
 for a logical [N, K] fp32 matrix, blocks along K of 32 weights (Q4_0, Q4_1, Q8_0) or
-super-blocks of 256 (the K-quants Q4_K, Q5_K, Q6_K: 8 sub-blocks of 32 with their own scales;
+super-blocks of 256 (the K-quants Q2_K .. Q6_K: 8 sub-blocks of 32 with their own scales;
 every kernel walks K in 32-weight sub-blocks). Rows can be reordered and concatenated
 without touching a block (llama.cpp's Q/K row permutation, the fused q/k/v and gate/up
 projections), which is all loading needs.
 
 `dequantize` reproduces gguf-py's `gguf.quants.dequantize` bit for bit (the products d * q are
 exact in fp32; Q4_1's + m rounds once in both; a K-quant's sub-block scale d * sc and min
-dmin * m are exact products of an fp16 and a 6- or 8-bit integer, so `d_s * q - m_s` rounds
+dmin * m are exact products of an fp16 and a 4- to 8-bit integer, so `d_s * q - m_s` rounds
 once, as in numpy), so every path that expands these weights
 (native kernels, this torch fallback, the Triton kernel) multiplies by exactly the fp32 weights
 transformers loads from the same file.
@@ -33,6 +33,8 @@ class QType(enum.IntEnum):
     Q4_0 = 2
     Q4_1 = 3
     Q8_0 = 8
+    Q2_K = 10
+    Q3_K = 11
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
@@ -46,6 +48,11 @@ class QType(enum.IntEnum):
         """Weights per block (32, or 256 for a K-quant super-block)."""
         return _LAYOUT[self][0]
 
+    @property
+    def half_offsets(self) -> tuple[int, ...]:
+        """Byte offsets of a block's fp16 fields (the scale d, then the min or dmin if any)."""
+        return _LAYOUT[self][2]
+
     @classmethod
     def from_ggml(cls, ggml_type: int) -> "QType | None":
         """The packed type for a GGML type id, or None (that tensor is expanded at load)."""
@@ -55,9 +62,11 @@ class QType(enum.IntEnum):
             return None
 
 
-# qtype -> (weights per block, bytes per block), as gguf's GGML_QUANT_SIZES
-_LAYOUT = {QType.Q4_0: (32, 18), QType.Q4_1: (32, 20), QType.Q8_0: (32, 34),
-           QType.Q4_K: (QK_K, 144), QType.Q5_K: (QK_K, 176), QType.Q6_K: (QK_K, 210)}
+# qtype -> (weights per block, bytes per block as gguf's GGML_QUANT_SIZES, fp16 field offsets)
+_LAYOUT = {QType.Q4_0: (32, 18, (0,)), QType.Q4_1: (32, 20, (0, 2)), QType.Q8_0: (32, 34, (0,)),
+           QType.Q2_K: (QK_K, 84, (80, 82)), QType.Q3_K: (QK_K, 110, (108,)),
+           QType.Q4_K: (QK_K, 144, (0, 2)), QType.Q5_K: (QK_K, 176, (0, 2)),
+           QType.Q6_K: (QK_K, 210, (208,))}
 
 
 @dataclass(frozen=True, eq=False)
@@ -192,7 +201,37 @@ def _expand_q6_k(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 210] -> [R, nb, 25
     return (_half(b[..., 208:210]) * sc).unsqueeze(-1).mul(q).flatten(-2)
 
 
+def _crumbs(qs: torch.Tensor) -> torch.Tensor:
+    """[R, nb, 64] bytes -> [R, nb, 8, 32] 2-bit values: sub-block s holds bits 2 (s % 4) of
+    32-byte chunk s // 4 (Q2_K's and Q3_K's low bits)."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device).view(4, 1)
+    c = qs.reshape(*qs.shape[:-1], 2, 1, 32)
+    return ((c >> shifts) & 3).reshape(*qs.shape[:-1], 8, 32)
+
+
+def _expand_q2_k(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 84] -> [R, nb, 256]
+    sc = b[..., 0:16]  # per 16 weights: low nibble scale, high nibble min
+    d = (_half(b[..., 80:82]) * (sc & 0x0F).float()).unsqueeze(-1)  # [R, nb, 16, 1]
+    m = (_half(b[..., 82:84]) * (sc >> 4).float()).unsqueeze(-1)
+    q = _crumbs(b[..., 16:80]).float().reshape(*b.shape[:-1], 16, 16)
+    return (d * q - m).flatten(-2)
+
+
+def _expand_q3_k(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 110] -> [R, nb, 256]
+    hm = b[..., 0:32].unsqueeze(-2)  # [R, nb, 1, 32]: bit s of byte i -> sub-block s
+    bits = torch.arange(8, dtype=torch.uint8, device=b.device).view(8, 1)
+    # q = low 2 bits - 4 where the hmask bit is clear: -4 .. 3
+    q = _crumbs(b[..., 32:96]).to(torch.int8) - (((hm >> bits) & 1) ^ 1).to(torch.int8) * 4
+    s = b[..., 96:108]
+    lo = torch.cat([s[..., 0:8] & 0x0F, s[..., 0:8] >> 4], dim=-1)  # [R, nb, 16]
+    hi = torch.cat([(s[..., 8:12] >> (2 * t)) & 3 for t in range(4)], dim=-1)
+    sc = ((lo | (hi << 4)).to(torch.int8) - 32).float()
+    d = (_half(b[..., 108:110]) * sc).unsqueeze(-1)  # [R, nb, 16, 1]
+    return (d * q.float().reshape(*b.shape[:-1], 16, 16)).flatten(-2)
+
+
 _EXPAND = {QType.Q4_0: _expand_q4_0, QType.Q4_1: _expand_q4_1, QType.Q8_0: _expand_q8_0,
+           QType.Q2_K: _expand_q2_k, QType.Q3_K: _expand_q3_k,
            QType.Q4_K: _expand_q4_k, QType.Q5_K: _expand_q5_k, QType.Q6_K: _expand_q6_k}
 
 

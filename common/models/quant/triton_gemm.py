@@ -73,6 +73,32 @@ def _packed_gemm_kernel(
                 qh = tl.load(blk[:, None] + 16 + j[None, :], mask=wmask, other=0).to(tl.int32)
                 q = q | (((qh >> s) & 1) << 4)
             w = ds[:, None] * q.to(tl.float32) - ms[:, None]
+        elif QT == 10 or QT == 11:  # Q2_K / Q3_K: 2 low bits, a scale per 16 weights
+            q = (tl.load(blk[:, None] + QS_OFFSET + 32 * (s // 4) + j[None, :], mask=wmask,
+                         other=0).to(tl.int32) >> (2 * (s % 4))) & 3  # [BLOCK_N, 32]
+            e16 = 2 * s + j // 16  # [32]: the scale of each element
+            if QT == 10:  # Q2_K: (d * sc) * q - dmin * m, sc / m the nibbles of byte e16
+                sm = tl.load(blk[:, None] + e16[None, :], mask=wmask, other=0).to(tl.int32)
+                d = (tl.load(blk + 80, mask=n_mask, other=0).to(tl.uint16)
+                     | (tl.load(blk + 81, mask=n_mask, other=0).to(tl.uint16) << 8)
+                     ).to(tl.float16, bitcast=True).to(tl.float32)
+                dmin = (tl.load(blk + 82, mask=n_mask, other=0).to(tl.uint16)
+                        | (tl.load(blk + 83, mask=n_mask, other=0).to(tl.uint16) << 8)
+                        ).to(tl.float16, bitcast=True).to(tl.float32)
+                w = ((d[:, None] * (sm & 15).to(tl.float32)) * q.to(tl.float32)
+                     - dmin[:, None] * (sm >> 4).to(tl.float32))
+            else:  # Q3_K: (d * (sc - 32)) * (q - 4 where bit s of hmask[j] is clear)
+                hb = (tl.load(blk[:, None] + j[None, :], mask=wmask, other=0).to(tl.int32)
+                      >> s) & 1
+                q = q - 4 * (1 - hb)
+                lo = (tl.load(blk[:, None] + 96 + e16[None, :] % 8, mask=wmask, other=0
+                              ).to(tl.int32) >> (4 * (e16[None, :] // 8))) & 15
+                hi = (tl.load(blk[:, None] + 104 + e16[None, :] % 4, mask=wmask, other=0
+                              ).to(tl.int32) >> (2 * (e16[None, :] // 4))) & 3
+                d = (tl.load(blk + 108, mask=n_mask, other=0).to(tl.uint16)
+                     | (tl.load(blk + 109, mask=n_mask, other=0).to(tl.uint16) << 8)
+                     ).to(tl.float16, bitcast=True).to(tl.float32)
+                w = (d[:, None] * ((lo | (hi << 4)) - 32).to(tl.float32)) * q.to(tl.float32)
         elif QT == 14:  # Q6_K: (d * scale[e / 16]) * (q - 32)
             t = s % 4
             h = s // 4
@@ -117,9 +143,9 @@ def _packed_gemm_kernel(
     tl.store(out_ptr + m[:, None].to(tl.int64) * N + n[None, :], acc, mask=mask)
 
 
-# byte offset of the quants in a block (sub-block 0's, for Q4_K / Q5_K); 2 otherwise (Q6_K's
-# offsets are in the kernel)
-_QS_OFFSET = {QType.Q4_1: 4, QType.Q4_K: 16, QType.Q5_K: 48}
+# byte offset of the quants in a block (sub-block 0's low bits, for Q2_K .. Q5_K); 2 otherwise
+# (Q6_K's offsets are in the kernel)
+_QS_OFFSET = {QType.Q4_1: 4, QType.Q2_K: 16, QType.Q3_K: 32, QType.Q4_K: 16, QType.Q5_K: 48}
 
 
 def triton_packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,

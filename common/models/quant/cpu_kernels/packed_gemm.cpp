@@ -1,5 +1,5 @@
-// Packed-weight GEMM for GGUF block-quantized weights (Q4_0, Q4_1, Q8_0 and the K-quants Q4_K,
-// Q5_K, Q6_K), exact fp32 arithmetic:
+// Packed-weight GEMM for GGUF block-quantized weights (Q4_0, Q4_1, Q8_0 and the K-quants Q2_K,
+// Q3_K, Q4_K, Q5_K, Q6_K), exact fp32 arithmetic:
 //   packed_gemm   out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) (+ residual[m, n])
 //   dequantize    the fp32 rows of a packed weight (for large-M GEMMs and embedding lookups)
 // Each 32-weight (sub-)block is expanded to fp32 in registers exactly as gguf-py's dequantize
@@ -9,12 +9,19 @@
 // activations are never quantized (llama.cpp's Q8_1 activations change the answer).
 //
 // Layout: the weight is [N, row_bytes] uint8, each row its blocks back to back, as in the GGUF
-// file (GGML type ids: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14).
+// file (GGML type ids: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
+// Q6_K = 14).
 //   Q4_0 (18 bytes / 32): fp16 d, 16 bytes of nibbles; w[i] = d * (q[i] - 8)
 //   Q4_1 (20 bytes / 32): fp16 d, fp16 m, 16 bytes of nibbles; w[i] = d * q[i] + m
 //   Q8_0 (34 bytes / 32): fp16 d, 32 int8; w[i] = d * q[i]
 //   Nibble order: byte j holds element j (low nibble) and element j + 16 (high nibble).
 // K-quants: super-blocks of 256 weights = 8 sub-blocks of 32, each expanded like a block above.
+//   Q2_K (84 bytes): scales[16] (one byte per 16 weights: low nibble sc, high nibble m), qs[64]
+//     (2 bits; sub-block s: bits 2 (s % 4) of 32-byte chunk s / 4), fp16 d, fp16 dmin;
+//     w = (d * sc[e / 16]) * q - dmin * m[e / 16]   (both products exact: one rounding, an FMA)
+//   Q3_K (110 bytes): hmask[32] (bit s of hmask[i] set: element i of sub-block s has no -4),
+//     qs[64] (low 2 bits, as Q2_K), 12 bytes of 6-bit scales sc[16] (bias 32), fp16 d;
+//     w = (d * (sc[e / 16] - 32)) * (q - 4 * !hbit)   (exact: no rounding at all)
 //   Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8], 128 bytes
 //     of nibbles (32-byte chunk c: sub-block 2c low nibbles, 2c + 1 high nibbles);
 //     w = (d * sc[s]) * q - dmin * m[s]   (both products exact: one rounding, an FMA)
@@ -47,17 +54,19 @@
 namespace {
 
 constexpr int QK = 32;  // weights per (sub-)block: the unit every path expands
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum QType : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+};
 
+constexpr bool is_kquant(int64_t qt) { return qt >= kQ2_K && qt <= kQ6_K; }
 constexpr bool valid_qtype(int64_t qt) {
-  return qt == kQ4_0 || qt == kQ4_1 || qt == kQ8_0 || qt == kQ4_K || qt == kQ5_K || qt == kQ6_K;
+  return qt == kQ4_0 || qt == kQ4_1 || qt == kQ8_0 || is_kquant(qt);
 }
-constexpr bool is_kquant(int64_t qt) { return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K; }
 constexpr int subs(int64_t qt) { return is_kquant(qt) ? 8 : 1; }  // sub-blocks per block
 constexpr int64_t block_size(int64_t qt) { return QK * subs(qt); }
 constexpr int64_t block_bytes(int64_t qt) {
-  return qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ8_0 ? 34 : qt == kQ4_K ? 144
-       : qt == kQ5_K ? 176 : qt == kQ6_K ? 210 : 0;
+  return qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ8_0 ? 34 : qt == kQ2_K ? 84
+       : qt == kQ3_K ? 110 : qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : qt == kQ6_K ? 210 : 0;
 }
 
 inline float half_at(const uint8_t* p) {
@@ -86,15 +95,34 @@ inline void kq_scale_min(const uint8_t* b, int s, float& ds, float& ms) {
   ms = half_at(b + 2) * static_cast<float>(m);
 }
 
-// Q6_K: the scale of weights 16 i .. 16 i + 15 of the super-block.
-inline float q6k_scale(const uint8_t* b, int i) {
-  return half_at(b + 208) * static_cast<float>(static_cast<int8_t>(b[192 + i]));
+// Q2_K / Q3_K / Q6_K: the scale of weights 16 i .. 16 i + 15 of the super-block (exact).
+template <int64_t QT>
+inline float k16_scale(const uint8_t* b, int i) {
+  if constexpr (QT == kQ2_K) {
+    return half_at(b + 80) * static_cast<float>(b[i] & 0x0F);
+  } else if constexpr (QT == kQ3_K) {  // low 4 bits from bytes 0 .. 7, high 2 from bytes 8 .. 11
+    const int lo = (b[96 + i % 8] >> (4 * (i / 8))) & 0x0F;
+    const int hi = (b[104 + i % 4] >> (2 * (i / 4))) & 3;
+    return half_at(b + 108) * static_cast<float>((lo | (hi << 4)) - 32);
+  } else {
+    return half_at(b + 208) * static_cast<float>(static_cast<int8_t>(b[192 + i]));
+  }
+}
+// Q2_K: the min of weights 16 i .. 16 i + 15 (exact).
+inline float q2k_min(const uint8_t* b, int i) {
+  return half_at(b + 82) * static_cast<float>(b[i] >> 4);
 }
 
-// The 32 quants of K-quant sub-block s, as integers (Q4_K 0..15, Q5_K 0..31, Q6_K -32..31).
+// The 32 quants of K-quant sub-block s, as integers (Q2_K 0..3, Q3_K -4..3, Q4_K 0..15,
+// Q5_K 0..31, Q6_K -32..31).
 template <int64_t QT>
 inline int kq_quant(const uint8_t* b, int s, int i) {
-  if constexpr (QT == kQ4_K) {
+  if constexpr (QT == kQ2_K) {
+    return (b[16 + 32 * (s / 4) + i] >> (2 * (s % 4))) & 3;
+  } else if constexpr (QT == kQ3_K) {
+    const int lo = (b[32 + 32 * (s / 4) + i] >> (2 * (s % 4))) & 3;
+    return ((b[i] >> s) & 1) ? lo : lo - 4;
+  } else if constexpr (QT == kQ4_K) {
     return (b[16 + 32 * (s / 2) + i] >> (4 * (s % 2))) & 0x0F;
   } else if constexpr (QT == kQ5_K) {
     return ((b[48 + 32 * (s / 2) + i] >> (4 * (s % 2))) & 0x0F) | (((b[16 + i] >> s) & 1) << 4);
@@ -115,10 +143,17 @@ inline void expand_scalar(const uint8_t* b, int s, float* w) {
     kq_scale_min(b, s, ds, ms);
     for (int i = 0; i < QK; ++i) w[i] = std::fma(ds, static_cast<float>(kq_quant<QT>(b, s, i)), -ms);
     return;
-  } else if constexpr (QT == kQ6_K) {
-    const float d0 = q6k_scale(b, 2 * s), d1 = q6k_scale(b, 2 * s + 1);
+  } else if constexpr (QT == kQ6_K || QT == kQ3_K) {
+    const float d0 = k16_scale<QT>(b, 2 * s), d1 = k16_scale<QT>(b, 2 * s + 1);
     for (int i = 0; i < QK; ++i)
       w[i] = (i < 16 ? d0 : d1) * static_cast<float>(kq_quant<QT>(b, s, i));
+    return;
+  } else if constexpr (QT == kQ2_K) {
+    for (int h = 0; h < 2; ++h) {
+      const float ds = k16_scale<QT>(b, 2 * s + h), ms = q2k_min(b, 2 * s + h);
+      for (int i = 16 * h; i < 16 * h + 16; ++i)
+        w[i] = std::fma(ds, static_cast<float>(kq_quant<QT>(b, s, i)), -ms);
+    }
     return;
   }
   const float d = half_at(b);
@@ -146,10 +181,17 @@ inline __m256i load32(const uint8_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
-// kq_quant for all 32 weights of sub-block s at once, as bytes (int8 for Q6_K, else uint8).
+// kq_quant for all 32 weights of sub-block s at once, as bytes (int8 for Q3_K and Q6_K, else
+// uint8).
 template <int64_t QT>
 inline __m256i kq_quants(const uint8_t* b, int s) {
-  if constexpr (QT == kQ4_K) {
+  if constexpr (QT == kQ2_K) {
+    return srl8(load32(b + 16 + 32 * (s / 4)), 2 * (s % 4), 3);
+  } else if constexpr (QT == kQ3_K) {  // (lo | hbit << 2) - 4
+    const __m256i hi = _mm256_slli_epi16(srl8(load32(b), s, 1), 2);
+    const __m256i lo = srl8(load32(b + 32 + 32 * (s / 4)), 2 * (s % 4), 3);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(4));
+  } else if constexpr (QT == kQ4_K) {
     return srl8(load32(b + 16 + 32 * (s / 2)), 4 * (s % 2), 0x0F);
   } else if constexpr (QT == kQ5_K) {
     const __m256i hi = _mm256_slli_epi16(srl8(load32(b + 16), s, 1), 4);
@@ -248,7 +290,15 @@ inline void expand(const uint8_t* b, int s, vec* w) {  // 4 vectors
     expand_k<QT>(b, s, w);
     return;
   }
+#if defined(__F16C__)
+  // d (and Q4_1's m) from one 4-byte broadcast and one conversion: [d, m] in every pair
+  uint32_t dm;
+  std::memcpy(&dm, b, 4);
+  const __m256 both = _mm256_cvtph_ps(_mm_set1_epi32(static_cast<int>(dm)));
+  const vec d = _mm256_permute_ps(both, 0x00);
+#else
   const vec d = _mm256_set1_ps(half_at(b));
+#endif
   if constexpr (QT == kQ8_0) {
     for (int j = 0; j < 4; ++j) {
       const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j));
@@ -256,14 +306,24 @@ inline void expand(const uint8_t* b, int s, vec* w) {  // 4 vectors
     }
   } else {
     const uint8_t* qs = b + (QT == kQ4_1 ? 4 : 2);
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(q, mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-    const vec e[4] = {u8_to_f(lo), u8_to_f(_mm_srli_si128(lo, 8)), u8_to_f(hi),
-                      u8_to_f(_mm_srli_si128(hi, 8))};
+    // bytes 0 .. 7 and 8 .. 15 widened to dwords straight from memory (vpmovzxbd m64), then
+    // split into nibbles at 32 bits (the upper bytes are zero, so >> 4 is the high nibble):
+    // 10 vector ops per block where widening split nibble bytes took 14
+    const auto* q0 = reinterpret_cast<const __m128i*>(qs);
+    const auto* q1 = reinterpret_cast<const __m128i*>(qs + 8);
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q0));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q1));
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    const vec e[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)),
+                      _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)),
+                      _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)),
+                      _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
     if constexpr (QT == kQ4_1) {
+#if defined(__F16C__)
+      const vec m = _mm256_permute_ps(both, 0x55);
+#else
       const vec m = _mm256_set1_ps(half_at(b + 2));
+#endif
       for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(d, e[j], m);
     } else {
       const vec eight = _mm256_set1_ps(8.f);
@@ -278,13 +338,19 @@ inline void expand(const uint8_t* b, int s, vec* w) {  // 4 vectors
 
 #if defined(__AVX2__) && defined(__FMA__)
 // K-quant sub-block s: unpack its 32 quant bytes (AVX2 byte ops, either vector build), widen
-// them to 32 / VL vectors and scale: fma(d * sc, q, -(dmin * m)), or Q6_K's (d * scale) * q.
+// them to 32 / VL vectors and scale: fma(d * sc, q, -(dmin * m)), or Q3_K's and Q6_K's
+// (d * scale) * q; Q2_K, Q3_K and Q6_K change scale every 16 weights.
 template <int64_t QT, typename V>
 inline void expand_k(const uint8_t* b, int s, V* w) {
   const __m256i q = kq_quants<QT>(b, s);
-  if constexpr (QT == kQ6_K) {
+  if constexpr (QT == kQ6_K || QT == kQ3_K) {
     for (int j = 0; j < QK / VL; ++j)
-      w[j] = vmul(vset1(q6k_scale(b, 2 * s + j * VL / 16)), i8_to_f(lane_bytes(q, j)));
+      w[j] = vmul(vset1(k16_scale<QT>(b, 2 * s + j * VL / 16)), i8_to_f(lane_bytes(q, j)));
+  } else if constexpr (QT == kQ2_K) {
+    for (int j = 0; j < QK / VL; ++j) {
+      const int i = 2 * s + j * VL / 16;
+      w[j] = vfma(vset1(k16_scale<QT>(b, i)), u8_to_f(lane_bytes(q, j)), vset1(-q2k_min(b, i)));
+    }
   } else {
     float ds, ms;
     kq_scale_min(b, s, ds, ms);
@@ -439,7 +505,7 @@ void expand_row(const uint8_t* row, int64_t K, float* out) {
 
 void check_weight(const char* what, const at::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK_VALUE(valid_qtype(qtype), what, ": qtype must be Q4_0 (2), Q4_1 (3), Q8_0 (8), "
-                    "Q4_K (12), Q5_K (13) or Q6_K (14), got ", qtype);
+                    "Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13) or Q6_K (14), got ", qtype);
   const int64_t bs = block_size(qtype);
   TORCH_CHECK_VALUE(K > 0 && K % bs == 0, what, ": K must be a positive multiple of ", bs,
                     ", got ", K);
@@ -455,6 +521,8 @@ void dispatch(int64_t qtype, F&& f) {
     case kQ4_0: f(std::integral_constant<int64_t, kQ4_0>{}); break;
     case kQ4_1: f(std::integral_constant<int64_t, kQ4_1>{}); break;
     case kQ8_0: f(std::integral_constant<int64_t, kQ8_0>{}); break;
+    case kQ2_K: f(std::integral_constant<int64_t, kQ2_K>{}); break;
+    case kQ3_K: f(std::integral_constant<int64_t, kQ3_K>{}); break;
     case kQ4_K: f(std::integral_constant<int64_t, kQ4_K>{}); break;
     case kQ5_K: f(std::integral_constant<int64_t, kQ5_K>{}); break;
     default: f(std::integral_constant<int64_t, kQ6_K>{}); break;  // check_weight ran first
