@@ -22,6 +22,10 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 # Build the native CPU kernels now (attention and packed GEMM; each cached in the venv per
 # source version), so no engine started later pays the JIT build inside its start-up deadline.
-.venv/bin/python -c "from pdserve.common.attention.cpu_native import load_cpu_kernels; \
-from pdserve.common.models.quant.cpu_native import load_packed_kernels; \
-load_cpu_kernels(); load_packed_kernels()" || echo "warning: native kernels not prebuilt" >&2
+# The two builds run side by side: each is mostly one long translation unit.
+.venv/bin/python -c "from pdserve.common.attention.cpu_native import load_cpu_kernels as l; \
+assert l()" & attn=$!
+.venv/bin/python -c "from pdserve.common.models.quant.cpu_native import load_packed_kernels as l; \
+assert l()" & packed=$!
+wait "$attn" || echo "warning: native attention kernels not prebuilt" >&2
+wait "$packed" || echo "warning: packed GEMM kernels not prebuilt" >&2

@@ -36,8 +36,10 @@ import torch
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent / "cpu_kernels"
-SOURCES = tuple(KERNEL_DIR / n for n in ("paged_attention.cpp", "prefill_attention.cpp",
-                                           "layer_ops.cpp", "bindings.cpp"))
+# bindings.cpp first: it compiles longest (<torch/extension.h>), so ninja starts it first and
+# the kernels compile beside it
+SOURCES = tuple(KERNEL_DIR / n for n in ("bindings.cpp", "paged_attention.cpp",
+                                           "prefill_attention.cpp", "layer_ops.cpp"))
 _OK_MARKER = "BUILD_OK"  # written after a successful build: the .so is complete and loads
 ISA_CHOICES = ("native", "avx2", "scalar")  # PDSERVE_CPU_ISA
 

@@ -54,7 +54,7 @@ def test_packed_layers_match_torch(rows):
 
 
 def test_engine_greedy_same_with_and_without_packing():
-    from pdserve.common.config import EngineConfig
+    from pdserve.common.config import CacheConfig, EngineConfig
     from pdserve.common.engine.llm import LLM
     from pdserve.common.sampling_params import SamplingParams
 
@@ -62,7 +62,9 @@ def test_engine_greedy_same_with_and_without_packing():
     prompts = [[5, 9, 2, 7], list(range(3, 40))]
     outs = {}
     for gemm in ("torch", "onednn"):
-        llm = LLM(EngineConfig(model="tiny", cpu_gemm=gemm, num_threads=1))
+        # a small cache: the default plan would size (and zero) ~700k blocks from free memory
+        llm = LLM(EngineConfig(model="tiny", cpu_gemm=gemm, num_threads=1,
+                               cache=CacheConfig(num_blocks=128)))
         model = llm.engine.executor.runner.model  # rank 0's (the only rank here)
         packed = [m for m in model.modules() if getattr(m, "packed", None) is not None]
         assert bool(packed) == (gemm == "onednn")
