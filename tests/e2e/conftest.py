@@ -30,11 +30,6 @@ def chat_prompts(smollm2):
 
 
 @pytest.fixture(scope="session")
-def hf_model(hf_smollm2):
-    return hf_smollm2
-
-
-@pytest.fixture(scope="session")
-def hf_reference(hf_model, chat_prompts):
+def hf_reference(hf_smollm2, chat_prompts):
     """Per chat prompt: transformers' greedy tokens and log-softmax at every step."""
-    return greedy_reference(hf_model, chat_prompts)
+    return greedy_reference(hf_smollm2, chat_prompts)

@@ -80,7 +80,7 @@ def test_preemption_under_small_kv_budget(smollm2, chat_prompts, hf_reference):
     _assert_matches(outs, hf_reference)
 
 
-def test_first_step_logits(smollm2, chat_prompts, hf_model):
+def test_first_step_logits(smollm2, chat_prompts, hf_smollm2):
     llm = _engine(smollm2)
     captured = []
     model = llm.engine.executor.runner.model
@@ -90,5 +90,5 @@ def test_first_step_logits(smollm2, chat_prompts, hf_model):
     ours = captured[0]  # one row per prompt, all sampled in the same step
     with torch.inference_mode():
         for i, ids in enumerate(chat_prompts[:3]):
-            ref = hf_model(torch.tensor([ids])).logits[0, -1]
+            ref = hf_smollm2(torch.tensor([ids])).logits[0, -1]
             assert (ours[i] - ref).abs().max().item() < LOGIT_ATOL

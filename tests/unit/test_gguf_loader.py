@@ -24,14 +24,9 @@ def ours(smollm2_path):
     return load_gguf(smollm2_path)
 
 
-@pytest.fixture(scope="module")
-def hf_model(hf_smollm2):
-    return hf_smollm2
-
-
-def test_smollm2_weights_equal_transformers(ours, hf_model):
+def test_smollm2_weights_equal_transformers(ours, hf_smollm2):
     config, weights = ours
-    hf = hf_model.state_dict()
+    hf = hf_smollm2.state_dict()
     assert config.tie_word_embeddings and "lm_head.weight" not in weights
     assert set(hf) - {"lm_head.weight"} == set(weights)
     for name, tensor in weights.items():
@@ -39,9 +34,9 @@ def test_smollm2_weights_equal_transformers(ours, hf_model):
         assert torch.equal(tensor, hf[name]), name
 
 
-def test_smollm2_config_matches_transformers(ours, hf_model):
+def test_smollm2_config_matches_transformers(ours, hf_smollm2):
     config, _ = ours
-    hc = hf_model.config
+    hc = hf_smollm2.config
     assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (
         hc.vocab_size, hc.hidden_size, hc.intermediate_size)
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
