@@ -44,12 +44,18 @@ class DisaggStack:
 
 def _store_nodes(master_addr: str) -> int:
     """Storage nodes the master knows; -1 while the master does not answer."""
+    addresses = store_node_addresses(master_addr)
+    return -1 if addresses is None else len(addresses)
+
+
+def store_node_addresses(master_addr: str) -> list[str] | None:
+    """The addresses of the storage nodes the master knows; None while it does not answer."""
     with grpc.insecure_channel(master_addr) as ch:
         try:
             stats = kv_grpc.KVStoreMasterStub(ch).Stats(kv_pb.StatsRequest(), timeout=1)
         except grpc.RpcError:
-            return -1
-    return len(stats.nodes)
+            return None
+    return [n.address for n in stats.nodes]
 
 
 def _start(stack: DisaggStack, log_dir: Path, name: str, argv: list[str], check) -> None:

@@ -24,8 +24,9 @@ from typing import Callable
 
 from pdserve.services.launch_plans import redis_ready
 from pdserve.services.launcher import Child, engine_serving, free_port, http_ok, wait_until
-from pdserve.tests.integration.disagg_helpers import _store_nodes
+from pdserve.tests.integration.disagg_helpers import _store_nodes, store_node_addresses
 from pdserve.tests.integration.services_helpers import SERVE, TINY_ENGINE_ARGS
+from pdserve.tests.integration.tcp_queues import listening_endpoints
 
 HOST = "127.0.0.1"
 
@@ -138,6 +139,16 @@ class FaultStack:
             proxy.close()
 
 
+def _node_registered(master: str, pid: int) -> bool:
+    """The master lists the node that process `pid` serves, and no other (the stack has one
+    node). Not just "the master lists a node": after a SIGKILL the master keeps the dead node
+    until its heartbeats time out, so a restart looked ready at once, and the next fault case
+    froze a node still booting, which no put reached (a flake seen under load)."""
+    ports = {e.rsplit(":", 1)[1] for e in listening_endpoints(pid)}
+    listed = store_node_addresses(master) or ()
+    return bool(listed) and all(a.rsplit(":", 1)[1] in ports for a in listed)
+
+
 def _ports(n: int) -> list[int]:
     return [free_port(HOST) for _ in range(n)]
 
@@ -159,7 +170,7 @@ def fault_stack(log_dir: Path, router_args=(), engine_args=TINY_ENGINE_ARGS):
             "--node-timeout", "3"], lambda: _store_nodes(master) >= 0)
         stack._start("kv-node", SERVE + ["kvstore-node", "--master", master, "--capacity-mib",
                                          "64", "--transport", "tcp"],
-                     lambda: _store_nodes(master) > 0)
+                     lambda: _node_registered(master, stack.pid("kv-node")))
         kv = ["--kv-store", master, "--kv-transport", "tcp", "--model", "tiny", *engine_args]
         engines = (("prefill0", "prefill", pp), ("decode0", "decode", d0),
                    ("decode1", "decode", d1))

@@ -85,3 +85,9 @@ def unread_by_sender(target_pid: int, peers: dict[str, int], min_bytes: int = 1
         if s.state == _ESTABLISHED and held and s.unread and s.remote in owner:
             out[owner[s.remote]] = out.get(owner[s.remote], 0) + s.unread
     return {name: n for name, n in out.items() if n >= min_bytes}
+
+
+def listening_endpoints(pid: int) -> set[str]:
+    """The endpoints ("127.0.0.1:8080") that process `pid` listens on."""
+    mine = _socket_inodes(pid)
+    return {s.local for s in _tcp_table() if s.state == _LISTEN and s.inode in mine}
