@@ -239,11 +239,6 @@ def _setup_logging() -> None:
 
 
 def _run_engine(args) -> int:
-    import os
-
-    from pdserve.services.engine_host.omp_env import set_engine_omp_env
-
-    set_engine_omp_env(os.environ)  # before torch loads libgomp (engine_server imports it)
     from pdserve.services.engine_host.engine_server import run_engine_server
 
     _setup_logging()
