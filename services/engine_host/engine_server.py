@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -64,14 +65,20 @@ class RunningEngineServer:
         await loop.run_in_executor(None, self.engine.core.close)
 
 
-def build_core(cfg: EngineServiceConfig):
-    """Pins the process, sets torch threads, loads the model, builds the KV connector when a
-    store is configured; returns an EngineCore."""
+def apply_process_settings(cfg: EngineServiceConfig) -> None:
+    """Pins the process, sets torch's threads and the GIL's switch interval."""
     if cfg.cpus:
         os.sched_setaffinity(0, set(cfg.cpus))
+    sys.setswitchinterval(cfg.gil_switch_interval_ms * 1e-3)
     import torch
 
     torch.set_num_threads(cfg.num_threads)
+
+
+def build_core(cfg: EngineServiceConfig):
+    """Applies the process settings, loads the model, builds the KV connector when a store is
+    configured; returns an EngineCore."""
+    apply_process_settings(cfg)
     from pdserve.common.engine.engine_core import EngineCore  # heavy: only engine processes
 
     kv = cfg.kv_settings()

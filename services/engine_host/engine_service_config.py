@@ -31,6 +31,11 @@ class EngineServiceConfig:
     memory_budget_bytes: Optional[int] = None  # weights + activations + KV; KV gets the rest
     enable_prefix_caching: bool = True
     max_pending_outputs: int = 8  # per stream, before outputs are merged for a slow reader
+    # How long the event loop thread may hold the GIL while the engine thread waits for it
+    # (sys.setswitchinterval; Python's default is 5 ms). The engine thread needs the GIL
+    # between every two torch ops of a forward, and the loop thread streams the previous
+    # step's outputs meanwhile: at 5 ms each wait could stall the forward for 5 ms.
+    gil_switch_interval_ms: float = 0.5
     grace_s: float = 2.0  # on shutdown, how long calls in flight may finish
     drain_timeout_s: float = 30.0  # on SIGTERM, how long running requests may finish
     kv_store: str = ""  # KV store master host:port; "" -> no KV connector
@@ -69,6 +74,9 @@ class EngineServiceConfig:
             raise ValueError(f"cpus must be core indices >= 0, got {self.cpus}")
         if not 0 <= self.itl_target_ms < 1e6:
             raise ValueError(f"itl_target_ms must be in [0, 1e6), got {self.itl_target_ms}")
+        if not 0.01 <= self.gil_switch_interval_ms <= 100:
+            raise ValueError(f"gil_switch_interval_ms must be in [0.01, 100], got "
+                             f"{self.gil_switch_interval_ms}")
         if self.max_pending_outputs < 1:
             raise ValueError(f"max_pending_outputs must be >= 1, got {self.max_pending_outputs}")
         if self.grpc_max_message_bytes < 1 or self.grpc_max_concurrent_rpcs < 1:
