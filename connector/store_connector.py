@@ -349,14 +349,15 @@ class StoreKVConnector(KVConnector):
         if handle is None:
             return
         step = handle.step
+        saving = set() if step is None else {rid for rid, _, _ in step.staged}
+        with self._lock:  # a request with no block to save is done with now
+            self._saves_done([rid for rid in handle.rids if rid not in saving])
         if step is None:
-            with self._lock:
-                self._saves_done(handle.rids)
             return
         for layer in range(self.heads.num_layers):
             self._copy_layer(step.views, layer, step.ids)
         blocks = staged_blocks(self.segments, [key for _, key, _ in step.staged], step.bufs)
-        self.io.submit(self._put_blocks(blocks, handle.rids))  # every segment's puts
+        self.io.submit(self._put_blocks(blocks, [r for r in handle.rids if r in saving]))
 
     def _save_started(self, rid: str) -> None:
         """(Under _lock.) One more save in flight for rid. A 'saved' already reported by an
