@@ -6,6 +6,7 @@ every engine; afterwards every block is back in its engine's pool."""
 
 import glob
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -236,3 +237,41 @@ def test_decode_with_pipeline_stages_loads_every_stage_and_holds_an_aborted_requ
     finally:
         decode.close()
     assert _shm_files() == before
+
+
+def test_a_pipelined_step_is_saved_whole_when_it_comes_back_and_holds_its_requests_till_then():
+    """The connector alone (no processes), over TP=2 x PP=2 caches: `stage_step` holds every
+    request of the step (request_finished -> True: an abort in flight keeps its blocks);
+    what the stages write after it is what `save_step` stores, every layer and head in TP=1
+    order; a request with no full block is released at once, one with blocks once its put
+    is done."""
+    layers, kvh, d = 2, 3, 4
+    per_rank = [[torch.zeros(2, 8, BS, h, d)] for h in (2, 1, 2, 1)]  # one layer per stage
+    codec = BlockCodec("00" * 32, layers, BS, kvh, d)
+    store = InMemoryBlockStore()
+    conn = StoreKVConnector(store, codec, ConnectorConfig(role="producer"))
+    try:
+        conn.register_kv_shards(by_tensor_rank(per_rank, 2))
+
+        def req(rid, computed):
+            return SimpleNamespace(request_id=rid, num_computed_tokens=computed,
+                                   block_hashes=[rid.encode() * 32])
+
+        full, partial = req("a", 0), req("b", 3)
+        handle = conn.stage_step([(full, BS, [5]), (partial, 1, [6])])
+        assert conn.request_finished(full, [5]) and conn.request_finished(partial, [6])
+        block = torch.randn(layers, 2, BS, kvh, d)
+        HeadShards(by_tensor_rank(per_rank, 2)).write_block(5, block)  # "the stages ran"
+        conn.save_step(handle)
+        saved, _ = conn.get_finished()
+        assert "b" in saved  # nothing to put: released when the step came back
+        deadline = time.monotonic() + 10
+        while "a" not in saved:
+            assert time.monotonic() < deadline, "the put did not finish"
+            time.sleep(0.01)
+            saved |= conn.get_finished()[0]
+        key = b"a" * 32
+        assert torch.equal(codec.decode(key, memoryview(bytearray(store.objects[key]))), block)
+        assert len(store.objects) == 1
+    finally:
+        conn.close()
