@@ -9,8 +9,8 @@ memory) once the step came back from the last stage, and the I/O thread encodes 
 them (docs/parallelism.md, "KV hand-off across layouts"). The end-of-step marker the last
 stage sends for steps that sample nothing flows in both runs (the engine was built with a
 connector). The ratio (time without / time with) is what saving costs; 1.0 means nothing.
-Each repeat uses fresh prompts (no local prefix hit) and a fresh store. Last line: one JSON
-object.
+Each repeat uses fresh prompts (no local prefix hit) and a fresh store, and the two runs
+alternate which goes first. Last line: one JSON object.
 
     python -m pdserve.bench.offline_pp_kv [--model smollm2] [--pipeline-parallel-size 2]
         [--num-prompts 8] [--input-len 256] [--repeats 3] [--num-threads 1]
@@ -76,8 +76,9 @@ def run(args) -> dict:
             prompts = random_prompts(args.num_prompts, args.input_len, vocab,
                                      args.seed + len(t_plain))
             store.objects.clear()
-            t_plain.append(_prefill(core, prompts, None))
-            t_save.append(_prefill(core, prompts, connector))
+            runs = [(t_plain, None), (t_save, connector)]
+            for times, conn in runs[::-1] if len(t_plain) % 2 else runs:  # alternate first
+                times.append(_prefill(core, prompts, conn))
         saved = connector.stats.blocks_saved
     finally:
         core.connector = connector
