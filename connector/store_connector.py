@@ -16,6 +16,13 @@ the send of the block before it and never stalls the engine thread. The request'
 stay allocated (`request_finished` -> True) until its puts are done. A failed put only costs
 a later reader a recomputation.
 
+With pipeline stages (P > 1) rank 0 holds only the first stage's layers and up to P steps are
+in flight, so the engine calls `stage_step` when it submits a step (staging as `begin_step`,
+and one save counted in flight for every request of the step, so an abort cannot free blocks
+the later stages still write) and `save_step` once the step came back from the last stage:
+every layer is copied out then, through the shared-memory mapping of every rank's cache
+(common/distributed/kv_share.py), and put as one step.
+
 Consumer (decode): `get_num_new_matched_tokens` asks the store how many of the request's next
 blocks exist (a prefix lookup; a caller's hint in request.kv_transfer.block_keys saves it).
 The lookup runs on the I/O thread: the first call starts it and answers None ("ask again next
@@ -109,6 +116,14 @@ class ConnectorStats:
     save_seconds: float = 0.0
     load_seconds: float = 0.0
     failure_reasons: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PipelinedSave:
+    """A step submitted down the pipeline: its staged blocks (None: nothing to save) and its
+    requests, each counted as one save in flight until the step is saved."""
+    step: Optional[StagedStep]
+    rids: list[str]
 
 
 class StoreKVConnector(KVConnector):
@@ -257,8 +272,11 @@ class StoreKVConnector(KVConnector):
         self.kv_caches, self.heads = shards[0], HeadShards(shards)
 
     def begin_step(self, batch) -> None:
-        if not self.produces:
-            return
+        self._step = self._stage(batch) if self.produces else None
+
+    def _stage(self, batch) -> Optional[StagedStep]:
+        """Staging for the blocks that become full in this step (None: none); starts the
+        backfill of a request's local prefix-cache hits on its first chunk."""
         bs = self.codec.block_size
         staged = []  # (request id, key, block id)
         for req, n, block_ids in batch:
@@ -272,11 +290,10 @@ class StoreKVConnector(KVConnector):
             for i in range(c // bs, (c + n) // bs):
                 staged.append((req.request_id, req.block_hashes[i], block_ids[i]))
         if not staged:
-            self._step = None
-            return
+            return None
         views, bufs = stage(self.segments, len(staged))
         ids = torch.tensor([b for _, _, b in staged], dtype=torch.long)
-        self._step = StagedStep(staged, ids, views, bufs)
+        return StagedStep(staged, ids, views, bufs)
 
     def _start_backfill(self, rid: str, keys: list[bytes], block_ids: list[int]) -> None:
         with self._lock:
@@ -312,6 +329,35 @@ class StoreKVConnector(KVConnector):
         blocks = staged_blocks(self.segments, [key for _, key, _ in step.staged], step.bufs)
         self.io.submit(self._put_blocks(blocks, [rid for rid, _, _ in step.staged],
                                         step.earlier))
+
+    def stage_step(self, batch) -> "PipelinedSave":
+        """Pipeline stages: when the step is submitted, stage its full blocks and count one
+        save in flight for each of its requests until `save_step`: a request aborted while
+        its step is in flight keeps its blocks (request_finished -> True) until every stage
+        is done with them, so neither a later step nor a load (written from here, past the
+        pipeline's order) can reuse them early."""
+        step = self._stage(batch) if self.produces else None
+        rids = list(dict.fromkeys(req.request_id for req, _, _ in batch))
+        with self._lock:
+            for rid in rids:
+                self._save_started(rid)
+        return PipelinedSave(step, rids)
+
+    def save_step(self, handle: Optional["PipelinedSave"]) -> None:
+        """Pipeline stages: the step came back (every stage wrote its layers; kv_share.py):
+        copy every layer of its staged blocks out of the ranks' caches, then put them."""
+        if handle is None:
+            return
+        step = handle.step
+        saving = set() if step is None else {rid for rid, _, _ in step.staged}
+        with self._lock:  # a request with no block to save is done with now
+            self._saves_done([rid for rid in handle.rids if rid not in saving])
+        if step is None:
+            return
+        for layer in range(self.heads.num_layers):
+            self._copy_layer(step.views, layer, step.ids)
+        blocks = staged_blocks(self.segments, [key for _, key, _ in step.staged], step.bufs)
+        self.io.submit(self._put_blocks(blocks, [r for r in handle.rids if r in saving]))
 
     def _save_started(self, rid: str) -> None:
         """(Under _lock.) One more save in flight for rid. A 'saved' already reported by an
@@ -408,11 +454,16 @@ class StoreKVConnector(KVConnector):
             self.stats.save_failures += len(blocks) - sum(stored)
         finally:
             with self._lock:
-                for rid in done:
-                    self._saving[rid] -= 1
-                    if self._saving[rid] == 0:
-                        del self._saving[rid]
-                        self._saved.add(rid)
+                self._saves_done(done)
+
+    def _saves_done(self, rids: list[str]) -> None:
+        """(Under _lock.) One save in flight fewer for each entry; a request with none left
+        is saved."""
+        for rid in rids:
+            self._saving[rid] -= 1
+            if self._saving[rid] == 0:
+                del self._saving[rid]
+                self._saved.add(rid)
 
     async def _put_objects(self, s: int, objs: list[tuple[bytes, memoryview]]) -> list[bool]:
         """Put objects of segment s (store key, encoded view); which stored. A view holds its

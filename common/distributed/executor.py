@@ -57,8 +57,9 @@ class WorkerDiedError(EngineFatalError):
 class Executor(Protocol):
     runner: ModelRunner  # rank 0's
     depth: int  # steps that may be in flight at once (submit before collect); 1: one at a time
-    # every rank's KV caches, rank order (the KV connector's view); T > 1: only when they
-    # were put in shared memory for a connector (kv_share.py), else rank 0's alone
+    # the KV connector's view: per tensor rank, its caches of every layer (all pipeline
+    # stages joined); T x P > 1: only when they were put in shared memory for a connector
+    # (kv_share.py), else rank 0's alone
     kv_shards: list[list[torch.Tensor]]
 
     def execute_model(self, out: SchedulerOutput, layer_done: Optional[LayerDone] = None
@@ -138,9 +139,9 @@ class WorkerGroup:
         par = config.parallel
         tp, world = par.tensor_parallel_size, par.world_size
         self.kv_paths: list[str] = []
-        if shared_kv is not None:  # (refused with pipeline stages: the engine checks)
-            self.kv_paths = create_kv_files(shared_kv, tp, num_blocks,
-                                            config.cache.block_size)
+        if shared_kv is not None:  # one file per global rank (kv_share.py)
+            self.kv_paths = create_kv_files(shared_kv, tp, par.pipeline_parallel_size,
+                                            num_blocks, config.cache.block_size)
         self._store = make_store(0, world, is_master=True)
         use_shm = par.all_reduce != "gloo" and config.device == "cpu" and tp > 1
         # one set of all-reduce buffers per stage's tensor-parallel group

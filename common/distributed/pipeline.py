@@ -8,6 +8,11 @@ needed. The last stage's tensor rank 0 sends the sampled rows' logits [N, vocab]
 rank 0, the engine process, which samples. Both sides know every shape from the step's
 SchedulerOutput, so only the tensors move.
 
+With a KV connector (`mark_every_step`) the last stage's tensor rank 0 also ends a step that
+samples nothing with a one-float marker on the logits tag, so rank 0's `recv_logits` returns
+for every step only after every stage wrote that step's K/V (the connector then reads them
+through shared memory; kv_share.py). Without one, such a step moves nothing back.
+
 Transport: torch.distributed point-to-point (gloo on the CPU, NCCL on CUDA) on the world group,
 with one tag per direction. Sends are asynchronous (`isend`): a stage hands step k on and
 starts step k+1 while the bytes move; at most two sends stay pending per rank (the tensors
@@ -29,8 +34,8 @@ _MAX_PENDING = 2
 
 class StageLink:
     def __init__(self, place: RankPlace, hidden_size: int, dtype: torch.dtype,
-                 vocab_size: int, device: str):
-        self.place = place
+                 vocab_size: int, device: str, mark_every_step: bool = False):
+        self.place, self.mark_every_step = place, mark_every_step
         self._hidden, self._dtype, self._vocab = hidden_size, dtype, vocab_size
         self._device = device
         stage, j = place.stage, place.tp_rank
@@ -57,13 +62,19 @@ class StageLink:
         return buf
 
     def send_logits(self, logits: torch.Tensor) -> None:
-        """The last stage's tensor rank 0: logits [N, vocab] fp32 -> rank 0 (N > 0)."""
-        self._send(logits, 0, _LOGITS_TAG)
+        """The last stage's tensor rank 0, after each step: logits [N, vocab] fp32 -> rank 0
+        (N = 0: nothing moves, or the end-of-step marker with `mark_every_step`)."""
+        if logits.shape[0]:
+            self._send(logits, 0, _LOGITS_TAG)
+        elif self.mark_every_step:
+            self._send(torch.zeros(1, device=self._device), 0, _LOGITS_TAG)
 
     def recv_logits(self, num_rows: int) -> torch.Tensor:
-        """Rank 0: the last stage's logits [num_rows, vocab] fp32 ([0, vocab] without a
-        transfer when nothing was sampled)."""
+        """Rank 0: the last stage's logits [num_rows, vocab] fp32 ([0, vocab] when nothing
+        was sampled: without a transfer, or after the end-of-step marker)."""
         buf = torch.empty(num_rows, self._vocab, dtype=torch.float32, device=self._device)
         if num_rows:
             dist.recv(buf, self._last_root, tag=_LOGITS_TAG)
+        elif self.mark_every_step:
+            dist.recv(torch.empty(1, device=self._device), self._last_root, tag=_LOGITS_TAG)
         return buf

@@ -16,6 +16,7 @@ one dies, so a wait here ends with an error.
 from __future__ import annotations
 
 from collections import deque
+from typing import Optional
 
 import torch
 
@@ -27,8 +28,11 @@ from pdserve.common.engine.scheduler_output import SchedulerOutput
 
 class PipelineExecutor(MultiProcExecutor):
     def __init__(self, runner: ModelRunner, workers: WorkerGroup, link: StageLink,
-                 depth: int):
-        super().__init__(runner, workers)
+                 depth: int, kv_shards: Optional[list[list[torch.Tensor]]] = None):
+        """`kv_shards`: every rank's caches in shared memory (a KV connector; kv_share.py),
+        which it reads and writes only between steps: `link` then has the last stage mark
+        the end of every step (`collect` returns only once every stage wrote its layers)."""
+        super().__init__(runner, workers, kv_shards)
         self.link, self.depth = link, depth
         self._started: deque[SchedulerOutput] = deque()
 
@@ -53,8 +57,8 @@ class PipelineExecutor(MultiProcExecutor):
             self._failed(exc)
 
     def execute_model(self, out, layer_done=None) -> torch.Tensor:
-        if layer_done is not None:
-            raise NotImplementedError("per-layer callbacks (a KV connector) with pipeline "
-                                      "stages")
+        if layer_done is not None:  # rank 0 holds the first stage's layers only
+            raise NotImplementedError("per-layer callbacks with pipeline stages: a KV "
+                                      "connector saves a step's blocks once it is collected")
         self.submit(out)
         return self.collect()

@@ -130,8 +130,8 @@ def _build(spec: WorkerSpec, comm):
     del weights  # keep only this rank's shard
     if spec.kv_path is not None:  # fp32 only: the engine refuses a half KV dtype with it
         from pdserve.common.distributed.kv_share import map_rank_kv
-        caches = map_rank_kv(spec.kv_path, model_config, spec.rank, spec.world_size,
-                             spec.num_blocks, cfg.cache.block_size)
+        caches = map_rank_kv(spec.kv_path, model_config, place, spec.num_blocks,
+                             cfg.cache.block_size)
     else:
         caches = allocate_kv_caches(model_config, (place.tp_rank, place.tp_size),
                                     spec.num_blocks, cfg.cache.block_size, device,
@@ -139,7 +139,7 @@ def _build(spec: WorkerSpec, comm):
     link = None
     if place.pp_size > 1:
         link = StageLink(place, model_config.hidden_size, resolve_dtype(cfg.dtype, device),
-                         model_config.vocab_size, device)
+                         model_config.vocab_size, device, spec.kv_path is not None)
     return ModelRunner(model, caches, cfg.cache.block_size, device), link
 
 
@@ -157,8 +157,8 @@ def _loop(conn, runner, link) -> None:
         result = runner.execute(out, hidden_in=hidden_in)
         if not pp.is_last:
             link.send_hidden(result)  # [T, hidden]
-        elif send_logits and result.shape[0]:
-            link.send_logits(result)  # [N, vocab]
+        elif send_logits:
+            link.send_logits(result)  # [N, vocab] (N = 0: nothing, or the end-of-step mark)
 
 
 if __name__ == "__main__":

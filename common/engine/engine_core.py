@@ -32,6 +32,8 @@ from pdserve.common.distributed.executor import Executor, MultiProcExecutor, Uni
 from pdserve.common.distributed.layout import (SINGLE, RankPlace, TensorParallel,
                                               check_pp_split, check_tp_split, kv_head_range,
                                               pipeline_stage, vocab_shard)
+from pdserve.common.distributed.kv_share import (by_tensor_rank, check_shareable_kv,
+                                                map_all_kv)
 from pdserve.common.engine.kv_connector import KVConnector
 from pdserve.common.engine.kv_transfer import NO_KV_TRANSFER, KVTransferParams
 from pdserve.common.engine.model_runner import ModelRunner
@@ -77,15 +79,11 @@ class EngineCore:
         self.fingerprint = loaded.fingerprint
         check_tp_split(cfg, tp_size)
         check_pp_split(cfg.num_layers, config.parallel.pipeline_parallel_size)
-        if connector_factory is not None and config.parallel.pipeline_parallel_size > 1:
-            raise NotImplementedError(
-                "a KV connector (--kv-store, disaggregated prefill/decode) with "
-                "pipeline_parallel_size > 1 is not implemented: the connector saves and loads "
-                "every layer from rank 0, which holds only the first stage's layers (the later "
-                "stages' caches are not shared with it); use tensor_parallel_size instead")
         cc = config.cache
         # ranks on one host share its memory (the budget covers all of them); GPUs have their own
         self.kv_dtype = engine_kv_dtype(config)
+        if connector_factory is not None and world > 1:  # before any process starts
+            check_shareable_kv(config.device, self.kv_dtype)
         per_token = kv_bytes_per_token(cfg.kv_bytes_per_token, self.kv_dtype)
         if config.device != "cpu":  # the busiest rank holds the most KV heads and layers
             stage0 = pipeline_stage(cfg.num_layers, 0, config.parallel.pipeline_parallel_size)
@@ -120,7 +118,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, sc.max_num_seqs, sc.max_num_batched_tokens,
                                    sc.enable_chunked_prefill, self.connector,
                                    self.outputs.check_stop, self.executor.depth)
-        self._pipeline: deque[SchedulerOutput] = deque()  # submitted, not yet booked
+        # submitted, not yet booked: each with the KV connector's staged save of it
+        self._pipeline: deque[tuple[SchedulerOutput, object]] = deque()
         self._seeds = random.Random(config.seed)  # seeds for requests that bring none
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer)
         self._aborted: list[RequestOutput] = []
@@ -206,12 +205,6 @@ class EngineCore:
         sc = config.scheduler
         slot = max(sc.max_num_batched_tokens * cfg.hidden_size,
                    sc.max_num_seqs * vocab_shard(cfg.vocab_size, tp_size))
-        if share_kv and config.device != "cpu":
-            raise NotImplementedError("a KV connector with tensor_parallel_size > 1 needs the "
-                                      "CPU (ranks' caches in shared memory)")
-        if share_kv and self.kv_dtype != torch.float32:
-            raise NotImplementedError("a KV connector with tensor_parallel_size > 1 keeps the "
-                                      "ranks' caches in fp32 (--kv-cache-dtype float32)")
         workers = WorkerGroup(config, num_blocks, slot,
                               (cfg, loaded.weights) if given else None,
                               cfg if share_kv else None)
@@ -222,10 +215,10 @@ class EngineCore:
                                                     workers.comm if tp_size > 1 else None),
                                      device, stage)
             shards = None
-            if share_kv:
-                from pdserve.common.distributed.kv_share import map_all_kv
-                shards = map_all_kv(workers.kv_paths, cfg, num_blocks, config.cache.block_size)
-                caches = shards[0]
+            if share_kv:  # every rank's caches, mapped here for the connector
+                per_rank = map_all_kv(workers.kv_paths, cfg, tp_size, pp_size, num_blocks,
+                                      config.cache.block_size)
+                caches, shards = per_rank[0], by_tensor_rank(per_rank, tp_size)
             else:
                 caches = allocate_kv_caches(cfg, (0, tp_size), num_blocks,
                                             config.cache.block_size, device, self.kv_dtype,
@@ -239,8 +232,9 @@ class EngineCore:
             from pdserve.common.distributed.pipeline import StageLink
             from pdserve.common.distributed.pipeline_executor import PipelineExecutor
             link = StageLink(RankPlace(0, tp_size, pp_size), cfg.hidden_size,
-                             resolve_dtype(config.dtype, device), cfg.vocab_size, device)
-            return PipelineExecutor(runner, workers, link, pp_size)
+                             resolve_dtype(config.dtype, device), cfg.vocab_size, device,
+                             mark_every_step=share_kv)
+            return PipelineExecutor(runner, workers, link, pp_size, shards)
         return MultiProcExecutor(runner, workers, shards)
 
     # -- requests -------------------------------------------------------------------------
@@ -344,8 +338,10 @@ class EngineCore:
         if len(self._pipeline) < self.executor.depth:
             sched = self.scheduler.schedule()  # skips the requests in flight
             if sched.chunks:
+                save = None if self.connector is None else \
+                    self.connector.stage_step(self.scheduler.connector_batch(sched))
                 self.executor.submit(sched)
-                self._pipeline.append(sched)
+                self._pipeline.append((sched, save))
                 started = True
             else:
                 self.executor.check_health()
@@ -354,8 +350,10 @@ class EngineCore:
         if not self._pipeline or (started and len(self._pipeline) < self.executor.depth):
             return outputs
         t1 = time.perf_counter_ns()
-        done = self._pipeline.popleft()
-        logits = self.executor.collect()
+        done, save = self._pipeline.popleft()
+        logits = self.executor.collect()  # every stage wrote done's K/V (kv_share.py)
+        if self.connector is not None:
+            self.connector.save_step(save)
         t2 = time.perf_counter_ns()
         reqs = self.scheduler.sampled_requests(done)
         sampled = self.sampler(logits, reqs) if reqs else None

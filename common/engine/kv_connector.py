@@ -22,6 +22,12 @@ Worker side (called by EngineCore around rank 0's forward)
   default hands rank 0's to `register_kv_caches(kv_caches)`); `begin_step(batch)`,
   `save_layer(layer, kv_cache)` after each layer's attention, `end_step()` after the forward. A producer copies the blocks that
   became full in this step out of each layer as the forward goes, so saving overlaps compute.
+- With pipeline stages (P > 1) rank 0 runs only the first stage's layers and up to P steps are
+  in flight, so instead: `stage_step(batch) -> handle` when a step is submitted (it picks the
+  blocks to save and keeps every request of the step "in use", so blocks of a request aborted
+  while its step is in flight stay allocated), and `save_step(handle)` once the step's logits
+  came back, when every stage has written its layers; it reads every layer then (all ranks'
+  caches are in shared memory, common/distributed/kv_share.py).
 - `get_finished() -> (saved request ids, loaded request ids)` and `get_failed_loads() ->
   {request id: tokens that did load}`; every load ends in exactly one of the two.
 """
@@ -76,6 +82,15 @@ class KVConnector(abc.ABC):
 
     def end_step(self) -> None:
         """After the whole forward."""
+
+    def stage_step(self, batch: list[tuple["Request", int, list[int]]]) -> object:
+        """Pipeline stages: `begin_step`'s batch, when the step is submitted; returns the
+        handle `save_step` takes once the step came back from every stage."""
+        raise NotImplementedError(f"{type(self).__name__} with pipeline stages")
+
+    def save_step(self, handle: object) -> None:
+        """Pipeline stages: after `stage_step`'s step came back (every layer written)."""
+        raise NotImplementedError(f"{type(self).__name__} with pipeline stages")
 
     @abc.abstractmethod
     def get_finished(self) -> tuple[set[str], set[str]]:

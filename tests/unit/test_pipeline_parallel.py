@@ -1,9 +1,11 @@
 """Pipeline parallel on the CPU: greedy tokens with P stages (and T x P ranks) equal P=1 and
 transformers (with and without GQA, tied embeddings read by the last stage, layers that split
 unevenly, chunked prefill, prefix hits and preemption in the run); two batches are in flight
-at once and hold disjoint requests; more stages than layers and a KV connector are refused
-before any process starts; a worker killed mid-run ends the engine with an error and leaves no
-process behind, also when the dead rank is one rank 0 has no link to."""
+at once and hold disjoint requests; more stages than layers, and a KV connector with CUDA
+ranks, are refused before any process starts; a worker killed mid-run ends the engine with an
+error and leaves no process behind, also when the dead rank is one rank 0 has no link to."""
+
+import dataclasses
 
 import pytest
 
@@ -126,13 +128,15 @@ def test_two_batches_in_flight_hold_disjoint_requests_and_an_abort_in_flight_is_
         core.close()
 
 
-def test_more_stages_than_layers_and_a_kv_connector_are_refused_before_any_process_starts():
+def test_more_stages_than_layers_and_a_connector_on_cuda_are_refused_before_processes_start():
+    """(A KV connector with stages on the CPU works: tests/unit/test_kv_layouts.py.)"""
     loaded = load_model("tiny")  # 2 layers
     before = _children()
     with pytest.raises(ValueError, match="larger than the model's 2 decoder layers"):
         EngineCore(engine_config(1, 3), loaded)
-    with pytest.raises(NotImplementedError, match="KV connector .* pipeline_parallel_size"):
-        EngineCore(engine_config(1, 2), loaded, connector_factory=lambda engine: None)
+    with pytest.raises(NotImplementedError, match="KV connector .* needs CPU ranks"):
+        EngineCore(dataclasses.replace(engine_config(1, 2), device="cuda"), loaded,
+                   connector_factory=lambda engine: None)
     assert _children() == before
 
 
