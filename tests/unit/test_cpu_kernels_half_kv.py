@@ -1,6 +1,7 @@
 """The native CPU attention kernels on a bf16 / fp16 KV cache (`--kv-cache-dtype`).
 
-The kernels widen each cached element to fp32 as they load it, so against the torch reference
+The kernels widen each cached element to fp32 as they load it (prefill: a tile's rows into fp32
+scratch; decode: in registers), so against the torch reference
 (which widens the gathered K/V with `.to(float32)`) only the summation order differs: the fp32
 tolerances of the fp32 tests hold. The fused step must round keys and values into the cache
 exactly as torch's `.to(dtype)` does (bit-identical caches).
@@ -48,11 +49,12 @@ def test_paged_decode_reads_a_half_cache(kernels, dtype, head_dim, block_size, g
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=IDS)
-def test_paged_prefill_reads_a_half_cache(kernels, dtype):
+@pytest.mark.parametrize("head_dim,block_size,group", [(64, 16, 3), (36, 8, 2)])  # 36: tails
+def test_paged_prefill_reads_a_half_cache(kernels, dtype, head_dim, block_size, group):
     if not kernels.fast_prefill:
         pytest.skip("no AVX2: the native prefill kernel is not used on this CPU")
     chunks = [(1, 1), (17, 17), (5, 37), (33, 300), (20, 70)]
-    query, kv, tables, lens, qsl = make_prefill_batch(chunks, 64, 16, 3)
+    query, kv, tables, lens, qsl = make_prefill_batch(chunks, head_dim, block_size, group)
     kv = _half(kv, dtype)
     out = torch.empty_like(query)
     kernels.paged_prefill(query, kv, tables, lens, qsl, 0, 0.125, out)
