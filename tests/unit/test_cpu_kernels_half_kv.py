@@ -9,6 +9,8 @@ exactly as torch's `.to(dtype)` does (bit-identical caches).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -79,6 +81,15 @@ def test_attention_step_rounds_into_a_half_cache_like_torch(kernels, dtype):
     assert fused_cache.dtype == dtype
     assert torch.equal(fused_cache, ref_cache)  # rounded to nearest even, as .to(dtype)
     torch.testing.assert_close(out, _sdpa_attention(q, ref_cache, meta, 0.125), **TOL)
+
+
+def test_an_avx512_cpu_runs_the_avx512_build(kernels):
+    """The prefill kernel widens a half cache's rows 16 at a time in that build (widen_row)."""
+    if "avx512f" not in cpu_native._cpu_flags():
+        pytest.skip("this CPU has no AVX-512F: the AVX-512 build is not made here")
+    if os.environ.get("PDSERVE_CPU_ISA", "native") != "native":
+        pytest.skip("PDSERVE_CPU_ISA caps this build below AVX-512")
+    assert kernels.simd == "avx512"
 
 
 def test_other_cache_dtypes_are_refused(kernels):

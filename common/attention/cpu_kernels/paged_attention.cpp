@@ -5,9 +5,9 @@
 // Prefill chunks go to prefill_attention.cpp; the fused layer step, RMSNorm and the Python
 // bindings are in layer_ops.cpp.
 //
-// Built just in time by pdserve/common/attention/cpu_native.py. With AVX-512 (the loader adds
-// -mavx512f when the CPU has it) the dot products and V sums run 16 lanes wide (bf16 rows 32
-// elements per load, see Chunk); with AVX2+FMA 8 lanes wide; otherwise plain loops.
+// Built just in time by pdserve/common/attention/cpu_native.py. With AVX2+FMA (the loader adds
+// -mavx2 -mfma when the CPU has them) the inner loops use 8-wide intrinsics; otherwise plain
+// loops.
 //
 // Layouts (fp32 / int32; the cache fp32, bf16 or fp16, widened to fp32 as it is loaded):
 //   query        [D, H, d]   rows may be strided (a view of a bigger [T, H, d]); heads dense
@@ -23,15 +23,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PDSERVE_AVX2 1
-#endif
-#if defined(PDSERVE_AVX2) && defined(__AVX512F__)
-#define PDSERVE_AVX512 1
 #endif
 
 namespace {
@@ -110,16 +106,6 @@ inline void prefetch_row(const T* row, int64_t d) {
   for (int64_t i = 0; i < d; i += 64 / sizeof(T)) __builtin_prefetch(row + i, 0, 3);
 }
 
-// Rows j0 .. j1 - 1 of the blocks at a and b (either may be null), rows row_stride apart.
-template <typename T>
-inline void prefetch_rows(const T* a, const T* b, int64_t j0, int64_t j1, int64_t row_stride,
-                          int64_t d) {
-  for (int64_t j = j0; j < j1; ++j) {
-    if (a) prefetch_row(a + j * row_stride, d);
-    if (b) prefetch_row(b + j * row_stride, d);
-  }
-}
-
 inline void scale_inplace(float* y, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= a;
 }
@@ -157,7 +143,10 @@ void qk_block(const float* q, int64_t group, int64_t d, const T* k, int64_t row_
   // (one horizontal reduction per 8 dots instead of per dot)
   if (d % 8 == 0) {
     for (; t + 8 <= nt; t += 8) {
-      prefetch_rows(pf_a, pf_b, t, t + 8, row_stride, d);
+      for (int64_t j = t; j < t + 8; ++j) {
+        if (pf_a) prefetch_row(pf_a + j * row_stride, d);
+        if (pf_b) prefetch_row(pf_b + j * row_stride, d);
+      }
       const T* kt = k + t * row_stride;
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = q + g * d;
@@ -181,25 +170,10 @@ void qk_block(const float* q, int64_t group, int64_t d, const T* k, int64_t row_
   }
 #endif
   for (; t < nt; ++t) {
-    prefetch_rows(pf_a, pf_b, t, t + 1, row_stride, d);
+    if (pf_a) prefetch_row(pf_a + t * row_stride, d);
+    if (pf_b) prefetch_row(pf_b + t * row_stride, d);
     for (int64_t g = 0; g < group; ++g)
       sc[g * sc_stride + t] = dot(q + g * d, k + t * row_stride, d);
-  }
-}
-
-// f(std::integral_constant<int, GC>{}) with GC = min(8, n): the V passes below keep GC heads'
-// accumulators in registers, so GC is a compile-time constant.
-template <typename F>
-void with_heads(int64_t n, F&& f) {
-  switch (std::min<int64_t>(8, n)) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
   }
 }
 
@@ -231,182 +205,26 @@ void pv_block(float* acc, int64_t group, int64_t d, const float* p, int64_t p_st
               const T* v, int64_t row_stride, int64_t nt) {
 #ifdef PDSERVE_AVX2
   if (d % 8 == 0) {
-    for (int64_t g0 = 0; g0 < group; g0 += 8)
-      with_heads(group - g0, [&](auto gc) {
-        pv_chunk<gc()>(acc + g0 * d, d, p + g0 * p_stride, p_stride, v, row_stride, nt);
-      });
+    for (int64_t g0 = 0; g0 < group; g0 += 8) {
+      float* a = acc + g0 * d;
+      const float* pg = p + g0 * p_stride;
+      switch (std::min<int64_t>(8, group - g0)) {
+        case 1: pv_chunk<1>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 2: pv_chunk<2>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 3: pv_chunk<3>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 4: pv_chunk<4>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 5: pv_chunk<5>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 6: pv_chunk<6>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 7: pv_chunk<7>(a, d, pg, p_stride, v, row_stride, nt); break;
+        default: pv_chunk<8>(a, d, pg, p_stride, v, row_stride, nt); break;
+      }
+    }
     return;
   }
 #endif
   for (int64_t t = 0; t < nt; ++t)
     for (int64_t g = 0; g < group; ++g)
       axpy(acc + g * d, p[g * p_stride + t], v + t * row_stride, d);
-}
-
-#ifdef PDSERVE_AVX512
-// A chunk of a cache row widened to fp32 in registers, in "lane order": fp32 and fp16 rows 16
-// elements per vector in their own order (fp16 by vcvtph2ps); bf16 rows 32 elements per 64-byte
-// load, split into the even elements (a 16-bit shift) and the odd ones (a mask): bf16 is the
-// top half of an fp32, so both are exact, and cheaper than zero-extending 16 at a time. Vector u
-// of a bf16 chunk holds elements c0 + 2i + u. The queries and the V accumulators are kept in
-// the same order (to_lane_order / from_lane_order), so every product and every accumulator's
-// sequence of additions is the natural order's; only q.k's summation order differs.
-template <typename T>
-struct Chunk {  // fp32, fp16
-  static constexpr int kElems = 16, kVecs = 1;
-  static void load(const T* p, __m512* v) { v[0] = pdserve_kernels::load16(p); }
-};
-template <>
-struct Chunk<c10::BFloat16> {
-  static constexpr int kElems = 32, kVecs = 2;
-  static void load(const c10::BFloat16* p, __m512* v) {
-    const __m512i x = _mm512_loadu_si512(p);
-    v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-    v[1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(~0xFFFF)));
-  }
-};
-
-// d-element rows between natural and lane order (a no-op unless the chunks split elements)
-template <typename T>
-void to_lane_order(float* x, int64_t d, float* tmp) {
-  constexpr int E = Chunk<T>::kElems, V = Chunk<T>::kVecs;
-  if (V == 1) return;
-  std::copy(x, x + d, tmp);
-  for (int64_t c0 = 0; c0 < d; c0 += E)
-    for (int u = 0; u < V; ++u)
-      for (int i = 0; i < 16; ++i) x[c0 + u * 16 + i] = tmp[c0 + V * i + u];
-}
-template <typename T>
-void from_lane_order(float* x, int64_t d, float* tmp) {
-  constexpr int E = Chunk<T>::kElems, V = Chunk<T>::kVecs;
-  if (V == 1) return;
-  std::copy(x, x + d, tmp);
-  for (int64_t c0 = 0; c0 < d; c0 += E)
-    for (int u = 0; u < V; ++u)
-      for (int i = 0; i < 16; ++i) x[c0 + V * i + u] = tmp[c0 + u * 16 + i];
-}
-
-// Lane j of the result = the sum of a[j]'s 16 lanes, for 16 vectors at once: a transposing
-// tree of 46 shuffles and adds instead of 16 full reductions. The tree leaves input i's sum in
-// lane 4 (i % 4) + i / 4, so the inputs are taken in that (self-inverse) order.
-inline __m512 reduce16(const __m512* a) {
-  constexpr int kOrder[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-  __m512 t[8], u[4], v[2];
-#pragma GCC unroll 8
-  for (int k = 0; k < 8; ++k) {  // 256-bit halves: 8 lanes per input
-    const __m512 x = a[kOrder[2 * k]], y = a[kOrder[2 * k + 1]];
-    t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
-  }
-#pragma GCC unroll 4
-  for (int k = 0; k < 4; ++k)  // 128-bit quarters: 4 lanes per input
-    u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0x88),
-                         _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0xDD));
-#pragma GCC unroll 2
-  for (int k = 0; k < 2; ++k)  // 2 lanes per input
-    v[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0x44),
-                         _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
-}
-
-// q (lane order) . k (cache row), one dot
-template <typename T>
-inline float dot_lanes(const float* q, const T* k, int64_t d) {
-  using C = Chunk<T>;
-  __m512 s = _mm512_setzero_ps();
-  for (int64_t c = 0; c < d; c += C::kElems) {
-    __m512 kv[C::kVecs];
-    C::load(k + c, kv);
-#pragma GCC unroll 2
-    for (int u = 0; u < C::kVecs; ++u) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + c + 16 * u), kv[u], s);
-  }
-  return _mm512_reduce_add_ps(s);
-}
-
-// qk_block's AVX-512 form (q in lane order, d a multiple of Chunk<T>::kElems): 16 tokens at a
-// time, 16 accumulators per query reduced together by reduce16.
-template <typename T>
-void qk_block_lanes(const float* q, int64_t group, int64_t d, const T* k, int64_t row_stride,
-                    int64_t nt, float* sc, int64_t sc_stride, const T* pf_a, const T* pf_b) {
-  using C = Chunk<T>;
-  int64_t t = 0;
-  for (; t + 16 <= nt; t += 16) {
-    prefetch_rows(pf_a, pf_b, t, t + 16, row_stride, d);
-    const T* kt = k + t * row_stride;
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * d;
-      __m512 a[16];
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < d; c += C::kElems) {
-        __m512 qv[C::kVecs];
-#pragma GCC unroll 2
-        for (int u = 0; u < C::kVecs; ++u) qv[u] = _mm512_loadu_ps(qg + c + 16 * u);
-#pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j) {
-          __m512 kv[C::kVecs];
-          C::load(kt + j * row_stride + c, kv);
-#pragma GCC unroll 2
-          for (int u = 0; u < C::kVecs; ++u) a[j] = _mm512_fmadd_ps(qv[u], kv[u], a[j]);
-        }
-      }
-      _mm512_storeu_ps(sc + g * sc_stride + t, reduce16(a));
-    }
-  }
-  for (; t < nt; ++t) {
-    prefetch_rows(pf_a, pf_b, t, t + 1, row_stride, d);
-    for (int64_t g = 0; g < group; ++g)
-      sc[g * sc_stride + t] = dot_lanes(q + g * d, k + t * row_stride, d);
-  }
-}
-
-// acc[g] += sum_t p[g, t] * v[t] for GC query heads (acc in lane order): GC x kVecs
-// accumulators in registers over the tokens, each V chunk loaded once for all of them.
-template <int GC, typename T>
-void pv_chunk_lanes(float* acc, int64_t d, const float* p, int64_t p_stride, const T* v,
-                    int64_t row_stride, int64_t nt) {
-  using C = Chunk<T>;
-  for (int64_t c = 0; c < d; c += C::kElems) {
-    __m512 a[GC][C::kVecs];
-#pragma GCC unroll 8
-    for (int g = 0; g < GC; ++g)
-#pragma GCC unroll 2
-      for (int u = 0; u < C::kVecs; ++u) a[g][u] = _mm512_loadu_ps(acc + g * d + c + 16 * u);
-    for (int64_t t = 0; t < nt; ++t) {
-      __m512 vv[C::kVecs];
-      C::load(v + t * row_stride + c, vv);
-#pragma GCC unroll 8
-      for (int g = 0; g < GC; ++g) {
-        const __m512 pg = _mm512_set1_ps(p[g * p_stride + t]);
-#pragma GCC unroll 2
-        for (int u = 0; u < C::kVecs; ++u) a[g][u] = _mm512_fmadd_ps(pg, vv[u], a[g][u]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int g = 0; g < GC; ++g)
-#pragma GCC unroll 2
-      for (int u = 0; u < C::kVecs; ++u) _mm512_storeu_ps(acc + g * d + c + 16 * u, a[g][u]);
-  }
-}
-
-template <typename T>
-void pv_block_lanes(float* acc, int64_t group, int64_t d, const float* p, int64_t p_stride,
-                    const T* v, int64_t row_stride, int64_t nt) {
-  for (int64_t g0 = 0; g0 < group; g0 += 8)
-    with_heads(group - g0, [&](auto gc) {
-      pv_chunk_lanes<gc()>(acc + g0 * d, d, p + g0 * p_stride, p_stride, v, row_stride, nt);
-    });
-}
-#endif  // PDSERVE_AVX512
-
-// Whether decode_item runs the AVX-512 forms (q and the accumulators then in lane order).
-template <typename T>
-constexpr bool lanes_apply(int64_t d) {
-#ifdef PDSERVE_AVX512
-  return d % Chunk<T>::kElems == 0;
-#else
-  (void)d;
-  return false;
-#endif
 }
 
 template <typename T>  // the cache's element type
@@ -428,9 +246,9 @@ constexpr int64_t kKAhead = 3, kVAhead = 2;
 
 // Per-thread scratch, reused across the items a thread runs; sized for all H query heads.
 struct Scratch {
-  std::vector<float> q, acc, scores, m, l, row;  // [H, d], [H, d], [H, tile], [H], [H], [d]
+  std::vector<float> q, acc, scores, m, l;  // [H, d], [H, d], [H, tile], [H], [H]
   Scratch(int64_t heads, int64_t d, int64_t tile)
-      : q(heads * d), acc(heads * d), scores(heads * tile), m(heads), l(heads), row(d) {}
+      : q(heads * d), acc(heads * d), scores(heads * tile), m(heads), l(heads) {}
 };
 
 // Request r, kv heads [h0, h1) (query heads h0*G .. h1*G-1): online softmax over tiles of whole
@@ -456,11 +274,6 @@ void decode_item(const DecodeProblem<T>& p, int64_t r, int64_t h0, int64_t h1, i
   float* m = s.m.data();
   float* l = s.l.data();
   for (int64_t i = 0; i < nh * d; ++i) q[i] = q_in[i] * p.scale;
-  [[maybe_unused]] const bool lanes = lanes_apply<T>(d);  // AVX-512 forms: q and acc in lane order
-#ifdef PDSERVE_AVX512
-  if (lanes)
-    for (int64_t j = 0; j < nh; ++j) to_lane_order<T>(q + j * d, d, s.row.data());
-#endif
   std::fill(acc, acc + nh * d, 0.f);
   std::fill(m, m + nh, -std::numeric_limits<float>::infinity());
   std::fill(l, l + nh, 0.f);
@@ -487,17 +300,9 @@ void decode_item(const DecodeProblem<T>& p, int64_t r, int64_t h0, int64_t h1, i
       const T* v_ahead = b + kVAhead < num_used ? v_block(b + kVAhead) : nullptr;
       for (int64_t h = h0; h < h1; ++h) {
         const int64_t j = (h - h0) * group;
-        const T* pf_k = k_ahead ? k_ahead + h * d : nullptr;
-        const T* pf_v = v_ahead ? v_ahead + h * d : nullptr;
-#ifdef PDSERVE_AVX512
-        if (lanes) {
-          qk_block_lanes(q + j * d, group, d, k + h * d, row_stride, std::min(bs, n - t0),
-                         sc + j * tile + t0, tile, pf_k, pf_v);
-          continue;
-        }
-#endif
         qk_block(q + j * d, group, d, k + h * d, row_stride, std::min(bs, n - t0),
-                 sc + j * tile + t0, tile, pf_k, pf_v);
+                 sc + j * tile + t0, tile, k_ahead ? k_ahead + h * d : nullptr,
+                 v_ahead ? v_ahead + h * d : nullptr);
       }
     }
     // online softmax: rescale the running sums only when the max grows
@@ -517,13 +322,6 @@ void decode_item(const DecodeProblem<T>& p, int64_t r, int64_t h0, int64_t h1, i
       const T* v = v_block((start + t0) / bs);
       for (int64_t h = h0; h < h1; ++h) {
         const int64_t j = (h - h0) * group;
-#ifdef PDSERVE_AVX512
-        if (lanes) {
-          pv_block_lanes(acc + j * d, group, d, sc + j * tile + t0, tile, v + h * d,
-                         row_stride, std::min(bs, n - t0));
-          continue;
-        }
-#endif
         pv_block(acc + j * d, group, d, sc + j * tile + t0, tile, v + h * d, row_stride,
                  std::min(bs, n - t0));
       }
@@ -531,9 +329,6 @@ void decode_item(const DecodeProblem<T>& p, int64_t r, int64_t h0, int64_t h1, i
   }
   float* o = p.out + (r * p.num_heads + h0 * group) * d;
   for (int64_t j = 0; j < nh; ++j) {
-#ifdef PDSERVE_AVX512
-    if (lanes) from_lane_order<T>(acc + j * d, d, s.row.data());
-#endif
     const float inv = 1.f / l[j];
     for (int64_t i = 0; i < d; ++i) o[j * d + i] = acc[j * d + i] * inv;
   }
