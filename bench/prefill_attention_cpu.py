@@ -6,8 +6,10 @@ SmolLM2-135M shapes (9 heads, 3 kv heads, head_dim 64, block size 16). Cases: wh
 after a 768-token cached prefix (the extend path; SDPA gathers the prefix first). Both sides
 read the same scattered paged cache. Prints median milliseconds, the ratio and the native
 kernel's GFLOP/s (causal FLOPs: 4 * d * heads per (query, visible key) pair), then one JSON line.
+--kv-dtypes runs every case on each cache dtype (the fp32 cache rounded; SDPA's path widens).
 
     .venv/bin/python -m pdserve.bench.prefill_attention_cpu [--reps 7] [--threads 2]
+        [--kv-dtypes float32,bfloat16,float16]
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 
 import torch
 
-from pdserve.bench.attention_cpu import time_ms
+from pdserve.bench.attention_cpu import KV_DTYPES, time_ms
 from pdserve.common.attention.cpu_native import load_cpu_kernels
 from pdserve.common.attention.torch_backend import prefill_reference
 
@@ -43,9 +45,15 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-dtypes", default="float32",
+                    help="comma-separated cache dtypes: float32, bfloat16, float16")
     args = ap.parse_args(argv)
     if args.reps < 1 or args.threads < 1:
         raise ValueError("--reps and --threads must be >= 1")
+    dtypes = tuple(args.kv_dtypes.split(","))
+    if not set(dtypes) <= set(KV_DTYPES):
+        raise ValueError(f"--kv-dtypes must name some of {', '.join(KV_DTYPES)}, "
+                         f"got {args.kv_dtypes!r}")
     torch.set_num_threads(args.threads)
     native = load_cpu_kernels()
     if native is None or not native.fast_prefill:
@@ -53,8 +61,9 @@ def main(argv=None) -> None:
                          "PDSERVE_NO_NATIVE=1)")
     scale = HEAD_DIM ** -0.5
     rows = []
-    for name, chunk, prefix, n in CASES:
+    for (name, chunk, prefix, n), dt in ((c, dt) for c in CASES for dt in dtypes):
         query, kv, tables, lens, qsl = make_case(chunk, prefix, n)
+        kv = kv.to(KV_DTYPES[dt])
         out = torch.empty_like(query)
         # one cache: a prefill reads K/V the same layer's step has just written
         sdpa, _ = time_ms(lambda c: prefill_reference(query, c, tables, lens, qsl, 0, scale),
@@ -62,12 +71,13 @@ def main(argv=None) -> None:
         nat, _ = time_ms(lambda c: native.paged_prefill(query, c, tables, lens, qsl, 0, scale,
                                                         out), [kv], args.reps)
         pairs = n * sum(prefix + i + 1 for i in range(chunk))  # (query, visible key) pairs
-        rows.append(dict(case=name, sdpa_ms=round(sdpa, 3), native_ms=round(nat, 3),
+        rows.append(dict(case=name, kv_dtype=dt, sdpa_ms=round(sdpa, 3), native_ms=round(nat, 3),
                          speedup=round(sdpa / nat, 2),
                          native_gflops=round(4 * HEAD_DIM * HEADS * pairs / nat / 1e6, 1)))
-    print(f"{'case':<26} {'sdpa ms':>9} {'native ms':>10} {'speedup':>8} {'GFLOP/s':>8}")
+    print(f"{'case':<26} {'kv':>8} {'sdpa ms':>9} {'native ms':>10} {'speedup':>8} "
+          f"{'GFLOP/s':>8}")
     for r in rows:
-        print(f"{r['case']:<26} {r['sdpa_ms']:>9.2f} {r['native_ms']:>10.2f} "
+        print(f"{r['case']:<26} {r['kv_dtype']:>8} {r['sdpa_ms']:>9.2f} {r['native_ms']:>10.2f} "
               f"{r['speedup']:>8.2f} {r['native_gflops']:>8.1f}")
     print(json.dumps({"bench": "prefill_attention_cpu", "threads": args.threads,
                       "simd": native.simd, "rows": rows}))

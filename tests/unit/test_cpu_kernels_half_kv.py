@@ -1,12 +1,15 @@
 """The native CPU attention kernels on a bf16 / fp16 KV cache (`--kv-cache-dtype`).
 
-The kernels widen each cached element to fp32 as they load it, so against the torch reference
+The kernels widen each cached element to fp32 as they load it (prefill: a tile's rows into fp32
+scratch; decode: in registers), so against the torch reference
 (which widens the gathered K/V with `.to(float32)`) only the summation order differs: the fp32
 tolerances of the fp32 tests hold. The fused step must round keys and values into the cache
 exactly as torch's `.to(dtype)` does (bit-identical caches).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -48,11 +51,12 @@ def test_paged_decode_reads_a_half_cache(kernels, dtype, head_dim, block_size, g
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=IDS)
-def test_paged_prefill_reads_a_half_cache(kernels, dtype):
+@pytest.mark.parametrize("head_dim,block_size,group", [(64, 16, 3), (36, 8, 2)])  # 36: tails
+def test_paged_prefill_reads_a_half_cache(kernels, dtype, head_dim, block_size, group):
     if not kernels.fast_prefill:
         pytest.skip("no AVX2: the native prefill kernel is not used on this CPU")
     chunks = [(1, 1), (17, 17), (5, 37), (33, 300), (20, 70)]
-    query, kv, tables, lens, qsl = make_prefill_batch(chunks, 64, 16, 3)
+    query, kv, tables, lens, qsl = make_prefill_batch(chunks, head_dim, block_size, group)
     kv = _half(kv, dtype)
     out = torch.empty_like(query)
     kernels.paged_prefill(query, kv, tables, lens, qsl, 0, 0.125, out)
@@ -77,6 +81,15 @@ def test_attention_step_rounds_into_a_half_cache_like_torch(kernels, dtype):
     assert fused_cache.dtype == dtype
     assert torch.equal(fused_cache, ref_cache)  # rounded to nearest even, as .to(dtype)
     torch.testing.assert_close(out, _sdpa_attention(q, ref_cache, meta, 0.125), **TOL)
+
+
+def test_an_avx512_cpu_runs_the_avx512_build(kernels):
+    """The prefill kernel widens a half cache's rows 16 at a time in that build (widen_row)."""
+    if "avx512f" not in cpu_native._cpu_flags():
+        pytest.skip("this CPU has no AVX-512F: the AVX-512 build is not made here")
+    if os.environ.get("PDSERVE_CPU_ISA", "native") != "native":
+        pytest.skip("PDSERVE_CPU_ISA caps this build below AVX-512")
+    assert kernels.simd == "avx512"
 
 
 def test_other_cache_dtypes_are_refused(kernels):

@@ -21,7 +21,8 @@ from pdserve.common.attention import cpu_native
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = ["tests/unit/test_cpu_paged_attention.py",
                 "tests/unit/test_cpu_prefill_attention.py",
-                "tests/unit/test_cpu_fused_kernels.py"]
+                "tests/unit/test_cpu_fused_kernels.py",
+                "tests/unit/test_cpu_kernels_half_kv.py"]
 
 
 @pytest.mark.parametrize("isa,fast_prefill", [("avx2", True), ("scalar", False)])

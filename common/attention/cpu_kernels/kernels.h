@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -53,6 +53,32 @@ inline __m256 load8(const c10::Half* p) {
 #endif
 }
 #endif
+
+#ifdef __AVX512F__
+// 16 consecutive cache elements widened to fp32 (bf16: zero-extend and shift, exact; fp16:
+// vcvtph2ps, exact)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// dst[0:n] = src[0:n] widened to fp32 (16 or 8 at a time where the build has the vectors)
+template <typename T>
+inline void widen_row(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = to_f32(src[i]);
+}
 
 // Runs f(T{}) with T the C++ type of a KV cache of scalar type t (fp32, bf16 or fp16).
 template <typename F>

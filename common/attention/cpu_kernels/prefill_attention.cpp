@@ -17,7 +17,9 @@
 // position are masked in the tiles that reach past the item's first token.
 //
 // Layouts: query [T, H, d] (rows may be strided); kv_cache [2, NB, bs, kvh, d] contiguous
-// (fp32, bf16 or fp16, each element widened to fp32 as it is loaded);
+// (fp32, bf16 or fp16; a half cache's tile of K / V rows is widened to fp32 into scratch first,
+// 16 or 8 elements per instruction, exact, so the tiles below broadcast fp32 straight from
+// memory whatever the cache's type);
 // block_tables [R, W] int32; seq_lens [R] int32 (context incl. the chunk); query_start_loc
 // [R + 1] int32; out [T, H, d] contiguous. Requests first_req .. R - 1 are done; a request's
 // chunk of q tokens sits at positions seq_len - q .. seq_len - 1.
@@ -30,11 +32,10 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
-
-using pdserve_kernels::to_f32;
 
 // Query tokens per vector, and the vector registers the tiles below budget for.
 #ifdef __AVX512F__
@@ -112,18 +113,34 @@ struct Item {
   int64_t pos0;     // that token's position (= keys it sees - 1)
 };
 
-// Per-thread scratch: transposed queries, one tile of scores, output accumulators.
-template <typename T>
+// Per-thread scratch: transposed queries, one tile of scores, output accumulators, the tile's
+// K / V rows (in the cache, or widened into kw / vw for a half cache).
 struct Scratch {
   std::vector<vf> qt, s, o;              // [GC, d], [GC, kKT], [GC, d]
-  std::vector<const T*> krow, vrow;      // the tile's K / V rows
-  explicit Scratch(int64_t d)
-      : qt(kMaxGC * d), s(kMaxGC * kKT), o(kMaxGC * d), krow(kKT), vrow(kKT) {}
+  std::vector<const float*> krow, vrow;  // the tile's fp32 K / V rows
+  std::vector<float> kw, vw;             // [kKT, d] each: a half cache's rows, widened
+  Scratch(int64_t d, bool half)
+      : qt(kMaxGC * d), s(kMaxGC * kKT), o(kMaxGC * d), krow(kKT), vrow(kKT),
+        kw(half ? kKT * d : 0), vw(half ? kKT * d : 0) {}
 };
 
+// Row jj of the tile, K and V, as fp32: the cache's own rows, or a half cache's widened into scratch.
+template <typename T>
+void tile_rows(const T* k, const T* v, int64_t jj, int64_t d, Scratch& sc) {
+  if constexpr (std::is_same_v<T, float>) {
+    sc.krow[jj] = k, sc.vrow[jj] = v;
+  } else {
+    float* kw = sc.kw.data() + jj * d;
+    float* vw = sc.vw.data() + jj * d;
+    pdserve_kernels::widen_row(k, kw, d);
+    pdserve_kernels::widen_row(v, vw, d);
+    sc.krow[jj] = kw, sc.vrow[jj] = vw;
+  }
+}
+
 // s[g][jj] = sum_c qt[g][c] * K[jj][c], KJ keys at a time (KJ x GC accumulators in registers)
-template <int GC, typename T>
-void qk_tile(const vf* qt, int64_t d, const T* const* krow, int64_t n, vf* s) {
+template <int GC>
+void qk_tile(const vf* qt, int64_t d, const float* const* krow, int64_t n, vf* s) {
   constexpr int KJ = qk_keys(GC);
   int64_t jj = 0;
   for (; jj + KJ <= n; jj += KJ) {
@@ -131,7 +148,7 @@ void qk_tile(const vf* qt, int64_t d, const T* const* krow, int64_t n, vf* s) {
     for (int64_t c = 0; c < d; ++c) {
       vf b[KJ];
 #pragma GCC unroll 4
-      for (int u = 0; u < KJ; ++u) b[u] = splat(to_f32(krow[jj + u][c]));
+      for (int u = 0; u < KJ; ++u) b[u] = splat(krow[jj + u][c]);
 #pragma GCC unroll 4
       for (int g = 0; g < GC; ++g) {
         const vf q = qt[g * d + c];
@@ -145,7 +162,7 @@ void qk_tile(const vf* qt, int64_t d, const T* const* krow, int64_t n, vf* s) {
   for (; jj < n; ++jj) {
     vf a[GC] = {};
     for (int64_t c = 0; c < d; ++c) {
-      const vf b = splat(to_f32(krow[jj][c]));
+      const vf b = splat(krow[jj][c]);
       for (int g = 0; g < GC; ++g) a[g] += qt[g * d + c] * b;
     }
     for (int g = 0; g < GC; ++g) s[g * kKT + jj] = a[g];
@@ -153,8 +170,8 @@ void qk_tile(const vf* qt, int64_t d, const T* const* krow, int64_t n, vf* s) {
 }
 
 // o[g][c] += sum_jj s[g][jj] * V[jj][c], CD dims x GC heads of accumulators in registers
-template <int GC, typename T>
-void pv_tile(const vf* s, int64_t d, const T* const* vrow, int64_t n, vf* o) {
+template <int GC>
+void pv_tile(const vf* s, int64_t d, const float* const* vrow, int64_t n, vf* o) {
   constexpr int CD = pv_dims(GC);
   int64_t c0 = 0;
   for (; c0 + CD <= d; c0 += CD) {
@@ -162,12 +179,12 @@ void pv_tile(const vf* s, int64_t d, const T* const* vrow, int64_t n, vf* o) {
     for (int g = 0; g < GC; ++g)
       for (int u = 0; u < CD; ++u) a[g][u] = o[g * d + c0 + u];
     for (int64_t jj = 0; jj < n; ++jj) {
-      const T* v = vrow[jj] + c0;
+      const float* v = vrow[jj] + c0;
       vf p[GC];
       for (int g = 0; g < GC; ++g) p[g] = s[g * kKT + jj];
 #pragma GCC unroll 8
       for (int u = 0; u < CD; ++u) {
-        const vf b = splat(to_f32(v[u]));
+        const vf b = splat(v[u]);
         for (int g = 0; g < GC; ++g) a[g][u] += p[g] * b;
       }
     }
@@ -176,7 +193,7 @@ void pv_tile(const vf* s, int64_t d, const T* const* vrow, int64_t n, vf* o) {
   }
   for (; c0 < d; ++c0)
     for (int64_t jj = 0; jj < n; ++jj) {
-      const vf b = splat(to_f32(vrow[jj][c0]));
+      const vf b = splat(vrow[jj][c0]);
       for (int g = 0; g < GC; ++g) o[g * d + c0] += s[g * kKT + jj] * b;
     }
 }
@@ -209,7 +226,7 @@ void softmax_tile(vf* s, int64_t n, int64_t j0, vi pos, bool masked, vf* m, vf* 
 
 // Query heads g0 .. g0 + GC - 1 of the item's kv-head group.
 template <int GC, typename T>
-void heads_pass(const Problem<T>& p, const Item& it, int64_t g0, Scratch<T>& sc) {
+void heads_pass(const Problem<T>& p, const Item& it, int64_t g0, Scratch& sc) {
   const int64_t d = p.head_dim, bs = p.block_size, kvh = p.num_kv_heads;
   const int64_t head0 = it.kv_head * (p.num_heads / kvh) + g0;
   const int64_t nt = std::min<int64_t>(kW, it.q_len - it.first);  // valid tokens
@@ -236,13 +253,12 @@ void heads_pass(const Problem<T>& p, const Item& it, int64_t g0, Scratch<T>& sc)
     for (int64_t jj = 0; jj < n; ++jj) {
       const int64_t j = j0 + jj;
       const int64_t row = (static_cast<int64_t>(table[j / bs]) * bs + j % bs) * kvh + it.kv_head;
-      sc.krow[jj] = p.k_cache + row * d;
-      sc.vrow[jj] = p.v_cache + row * d;
+      tile_rows(p.k_cache + row * d, p.v_cache + row * d, jj, d, sc);
     }
-    qk_tile<GC, T>(sc.qt.data(), d, sc.krow.data(), n, sc.s.data());
+    qk_tile<GC>(sc.qt.data(), d, sc.krow.data(), n, sc.s.data());
     softmax_tile<GC>(sc.s.data(), n, j0, pos, /*masked=*/j0 + n - 1 > it.pos0, m, l,
                      sc.o.data(), d);
-    pv_tile<GC, T>(sc.s.data(), d, sc.vrow.data(), n, sc.o.data());
+    pv_tile<GC>(sc.s.data(), d, sc.vrow.data(), n, sc.o.data());
   }
   for (int g = 0; g < GC; ++g) {
     const vf inv = 1.f / l[g];
@@ -254,7 +270,7 @@ void heads_pass(const Problem<T>& p, const Item& it, int64_t g0, Scratch<T>& sc)
 }
 
 template <typename T>
-void run_item(const Problem<T>& p, const Item& it, Scratch<T>& sc) {
+void run_item(const Problem<T>& p, const Item& it, Scratch& sc) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   for (int64_t g0 = 0; g0 < group; g0 += kMaxGC) {
     switch (std::min<int64_t>(kMaxGC, group - g0)) {
@@ -320,7 +336,7 @@ void paged_prefill(const at::Tensor& query_in, const at::Tensor& kv_cache,
                        kv + num_blocks * bs * kvh * d, tables, block_tables.size(1),
                        out.data_ptr<float>(), heads, kvh, d, bs, static_cast<float>(scale)};
     at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-      Scratch<T> sc(d);
+      Scratch sc(d, !std::is_same_v<T, float>);
       for (int64_t i; (i = next.fetch_add(1)) < n_items;) run_item(p, items[i], sc);
     });
   });
