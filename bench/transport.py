@@ -138,12 +138,14 @@ def _server_main(kind: str, max_size: int, progress_mode: str, conn) -> None:
 
 
 async def _async_server(kind, max_size, progress_mode, conn) -> None:
-    handler = _Sink(max_size)
-    if kind.startswith("tcp+cap"):
+    transport = _transport(kind, progress_mode)
+    if kind.startswith("tcp+cap"):  # the storage node's listener and handler (node.py)
         from pdserve.services.kvstore.segment import GrantCheck, Segment, SegmentHandler
 
         handler = SegmentHandler(Segment(max_size), GrantCheck(_GRANT_KEY, "bench"))
-    listener = await _transport(kind, progress_mode).listen("127.0.0.1", 0, handler)
+        listener = await transport.listen_threads("127.0.0.1", 0, handler)
+    else:
+        listener = await transport.listen("127.0.0.1", 0, _Sink(max_size))
     conn.send(listener.port)
     await asyncio.Event().wait()  # until the parent terminates us
 

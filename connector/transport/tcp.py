@@ -27,10 +27,13 @@ from pdserve.connector.transport.base import (Buffer, Connection, FrameRejected,
                                               TransportError, as_bytes_view, split_addr)
 from pdserve.connector.transport.fd_wait import fd_ready
 from pdserve.connector.transport.splice import MIN_SPLICE_BYTES, SpliceRefused, Splicer
+from pdserve.connector.transport.tcp_threads import BlockingHandler, ThreadedTcpListener
 
 _REQUESTS = (framing.KIND_REQUEST,)
 _RESPONSES = (framing.KIND_OK, framing.KIND_ERROR)
 MAX_CONNECTIONS = 1024  # per listener; more are closed on accept (each holds a task)
+MAX_THREAD_CONNECTIONS = 512  # per threaded listener (each holds a thread)
+FRAME_TIMEOUT_S = 30.0  # threaded listener: a peer silent this long mid-frame is dropped
 MIN_LOWAT_BYTES = 64 << 10  # payloads from this size are received by _recv_bulk
 LOWAT_BYTES = 1 << 20  # bytes queued before a bulk receive wakes up
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)  # Linux; elsewhere the head goes out at once
@@ -268,3 +271,12 @@ class TcpTransport(Transport):
         sock = socket.create_server((host, port), reuse_port=False, backlog=128)
         sock.setblocking(False)
         return TcpListener(sock, handler)
+
+    async def listen_threads(self, host: str, port: int, handler: BlockingHandler, *,
+                             max_connections: int = MAX_THREAD_CONNECTIONS,
+                             frame_timeout_s: float = FRAME_TIMEOUT_S) -> Listener:
+        """Serve `handler` with a thread per connection and blocking calls (tcp_threads.py):
+        for handlers that never await, such as a storage node's segment."""
+        sock = socket.create_server((host, port), reuse_port=False, backlog=128)
+        return ThreadedTcpListener(sock, handler, max_connections=max_connections,
+                                   frame_timeout_s=frame_timeout_s, tune=_tune)
