@@ -13,13 +13,15 @@ The contenders:
 - `socket`: the baseline. Blocking `sendall` of an 8-byte length, `sendall` of the payload,
   `recv_into` of a 1-byte ack, over loopback; the server receives into its buffer.
 - `tcp`: the KV transport (connector/transport/tcp.py, asyncio's non-blocking socket calls)
-  with a trivial handler that lands the payload in a preallocated buffer. Payloads of 64 KiB
-  and more go out by reference (vmsplice+splice, connector/transport/splice.py) unless
-  `--zero-copy off`, and are received with one wake-up per MiB (SO_RCVLOWAT).
+  on both sides, with a trivial handler that lands the payload in a preallocated buffer.
+  Payloads of 64 KiB up to 1 MiB go out by reference (vmsplice+splice,
+  connector/transport/splice.py) unless `--zero-copy off`, and are received with one
+  wake-up per MiB (SO_RCVLOWAT).
 - `ucx`: the same over UCX (ucxx), where it is installed.
 - `tcp+cap`: the storage node's real write path with the store secret on. The server is a
   SegmentHandler over a Segment that checks the HMAC capability of every request before a
-  byte of its payload lands; the client signs a capability per request (as the master does
+  byte of its payload lands, served as a node serves it (`listen_threads`: a thread per
+  connection, blocking calls, connector/transport/tcp_threads.py); the client signs a capability per request (as the master does
   per replica) and sends NodeOp WRITE requests, as KVStoreClient._write does.
 - `tcp+cap+mac`: `tcp+cap`, plus each block's MAC as the connector computes it on its save
   path (StoreKVConnector._put_objects): BlockCodec.header (HMAC-SHA256 one-time key from a fresh
@@ -138,12 +140,14 @@ def _server_main(kind: str, max_size: int, progress_mode: str, conn) -> None:
 
 
 async def _async_server(kind, max_size, progress_mode, conn) -> None:
-    handler = _Sink(max_size)
-    if kind.startswith("tcp+cap"):
+    transport = _transport(kind, progress_mode)
+    if kind.startswith("tcp+cap"):  # the storage node's listener and handler (node.py)
         from pdserve.services.kvstore.segment import GrantCheck, Segment, SegmentHandler
 
         handler = SegmentHandler(Segment(max_size), GrantCheck(_GRANT_KEY, "bench"))
-    listener = await _transport(kind, progress_mode).listen("127.0.0.1", 0, handler)
+        listener = await transport.listen_threads("127.0.0.1", 0, handler)
+    else:
+        listener = await transport.listen("127.0.0.1", 0, _Sink(max_size))
     conn.send(listener.port)
     await asyncio.Event().wait()  # until the parent terminates us
 

@@ -8,10 +8,15 @@ tasks and closes the sockets.
 
 Why asyncio's `sock_recv_into`/`sock_sendall` and not StreamReader/StreamWriter: streams copy
 every byte through their own buffers, while these calls read into and send from the caller's
-memory, which is the zero-copy path the KV payloads need. Beyond them, for payloads of 64 KiB
-and more: a client sends by reference (vmsplice+splice, splice.py; no copy at all on the
-sending side), either side receives with one wake-up per MiB queued (SO_RCVLOWAT), and a
-frame's head waits under MSG_MORE for its payload, so the peer wakes once per request.
+memory, which is the zero-copy path the KV payloads need. Beyond them: a client sends
+payloads of 64 KiB up to 1 MiB by reference (vmsplice+splice, splice.py; no copy on the
+sending side; larger ones cost less copied), either side receives payloads of 64 KiB and
+more with one wake-up per MiB queued (SO_RCVLOWAT), and a frame's head waits under MSG_MORE
+for its payload, so the peer wakes once per request. A request that fails with its payload
+half-sent resets the connection, so the rest never reaches the peer.
+
+A storage node serves TCP with `listen_threads` (tcp_threads.py: a thread per connection,
+blocking calls), not this module's asyncio listener.
 """
 
 from __future__ import annotations
@@ -26,11 +31,14 @@ from pdserve.connector.transport.base import (Buffer, Connection, FrameRejected,
                                               Message, RequestHandler, Transport,
                                               TransportError, as_bytes_view, split_addr)
 from pdserve.connector.transport.fd_wait import fd_ready
-from pdserve.connector.transport.splice import MIN_SPLICE_BYTES, SpliceRefused, Splicer
+from pdserve.connector.transport.splice import SpliceRefused, Splicer, spliced
+from pdserve.connector.transport.tcp_threads import BlockingHandler, ThreadedTcpListener
 
 _REQUESTS = (framing.KIND_REQUEST,)
 _RESPONSES = (framing.KIND_OK, framing.KIND_ERROR)
 MAX_CONNECTIONS = 1024  # per listener; more are closed on accept (each holds a task)
+MAX_THREAD_CONNECTIONS = 512  # per threaded listener (each holds a thread)
+FRAME_TIMEOUT_S = 30.0  # threaded listener: a peer silent this long mid-frame is dropped
 MIN_LOWAT_BYTES = 64 << 10  # payloads from this size are received by _recv_bulk
 LOWAT_BYTES = 1 << 20  # bytes queued before a bulk receive wakes up
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)  # Linux; elsewhere the head goes out at once
@@ -97,7 +105,7 @@ def _set_lowat(sock: socket.socket, nbytes: int) -> None:
 async def _send_frame(loop, sock, kind: int, header: bytes, payload: memoryview,
                       splicer: Optional[Splicer] = None) -> None:
     await _send_head(loop, sock, framing.pack(kind, header, len(payload)), more=len(payload) > 0)
-    if splicer is not None and len(payload) >= MIN_SPLICE_BYTES:
+    if splicer is not None and spliced(len(payload)):
         try:
             return await splicer.send(loop, sock, payload)
         except SpliceRefused:
@@ -139,7 +147,7 @@ async def _recv_head(loop, sock, kinds: tuple[int, ...]) -> tuple[int, bytes, in
 
 
 class TcpConnection(Connection):
-    """Request payloads of MIN_SPLICE_BYTES and more go out by reference (splice.py) when
+    """Request payloads of 64 KiB up to 1 MiB go out by reference (splice.spliced) when
     `splicer` is given; the request returns only after the peer's response, so the caller's
     buffer is never changed while the kernel still reads it."""
 
@@ -156,8 +164,9 @@ class TcpConnection(Connection):
             if self._broken:
                 raise TransportError("connection is closed")
             view = as_bytes_view(payload)
-            # spliced pages stay the kernel's until the peer has read them, i.e. answered
-            unread = self._splicer is not None and len(view) >= MIN_SPLICE_BYTES
+            # spliced pages stay the kernel's until the peer has read them, i.e. answered;
+            # a payload given up half-sent is never to reach the peer, spliced or copied
+            unread = len(view) > 0
             try:
                 await _send_frame(loop, self._sock, framing.KIND_REQUEST, header, view,
                                   self._splicer)
@@ -188,7 +197,7 @@ class TcpConnection(Connection):
 
     async def close(self) -> None:
         # A request in flight (its task cancelled) may have spliced bytes queued: reset.
-        self._close(abortive=self._splicer is not None and self._lock.locked())
+        self._close(abortive=self._lock.locked())
 
 
 class TcpListener(Listener):
@@ -268,3 +277,12 @@ class TcpTransport(Transport):
         sock = socket.create_server((host, port), reuse_port=False, backlog=128)
         sock.setblocking(False)
         return TcpListener(sock, handler)
+
+    async def listen_threads(self, host: str, port: int, handler: BlockingHandler, *,
+                             max_connections: int = MAX_THREAD_CONNECTIONS,
+                             frame_timeout_s: float = FRAME_TIMEOUT_S) -> Listener:
+        """Serve `handler` with a thread per connection and blocking calls (tcp_threads.py):
+        for handlers that never await, such as a storage node's segment."""
+        sock = socket.create_server((host, port), reuse_port=False, backlog=128)
+        return ThreadedTcpListener(sock, handler, max_connections=max_connections,
+                                   frame_timeout_s=frame_timeout_s, tune=_tune)

@@ -88,10 +88,18 @@ class NodeConfig:
     store_secret_file: str = ""  # as MasterConfig's; must hold the master's secret
     grant_skew_s: float = 2.0  # tolerated clock difference with the master on capabilities
     tls: TlsConfig = TlsConfig()  # the node's certificate for its channel to the master
+    # TCP: each connection is served by a thread of its own (tcp_threads.py); more
+    # connections than this are closed on accept, so threads stay bounded.
+    max_connections: int = 512
+    frame_timeout_s: float = 30.0  # TCP: a client silent this long mid-request is dropped
 
     def __post_init__(self):
         if self.capacity <= 0:
             raise ValueError("capacity must be positive")
+        if not 1 <= self.max_connections <= 65536:
+            raise ValueError("max_connections must be in [1, 65536]")
+        if not 0 < self.frame_timeout_s <= 3600:
+            raise ValueError("frame_timeout_s must be in (0, 3600]")
         if not 0 <= self.grant_skew_s <= 60:
             raise ValueError("grant_skew_s must be in [0, 60]")
         if not 0 <= self.port < 65536:

@@ -27,6 +27,7 @@ from pdserve.connector.kvstore.auth import (StoreKeys, load_store_keys, register
                                            sign_token)
 from pdserve.connector.kvstore.records import NodeInfo
 from pdserve.connector.transport import Listener, make_transport
+from pdserve.connector.transport.tcp import TcpTransport
 from pdserve.services.common.tls import open_channel
 from pdserve.services.kvstore.config import NodeConfig
 from pdserve.services.kvstore.segment import GrantCheck, Segment, SegmentHandler
@@ -73,11 +74,23 @@ async def _heartbeat_forever(stub, reg: NodeInfo, keys: Optional[StoreKeys],
             log.warning("heartbeat to the master failed: %s", exc.code().name)
 
 
+async def _listen(cfg: NodeConfig, handler: SegmentHandler) -> Listener:
+    """Over TCP, a thread per connection with blocking calls: the segment's requests never
+    await, and a blocking receive costs a syscall where the event loop costs a round of
+    epoll and task wake-ups per wait (connector/transport/tcp_threads.py)."""
+    transport = make_transport(cfg.transport)
+    if isinstance(transport, TcpTransport):
+        return await transport.listen_threads(cfg.host, cfg.port, handler,
+                                              max_connections=cfg.max_connections,
+                                              frame_timeout_s=cfg.frame_timeout_s)
+    return await transport.listen(cfg.host, cfg.port, handler)
+
+
 async def start_node(cfg: NodeConfig) -> RunningNode:
     keys = load_store_keys(cfg.store_secret_file)
     segment = Segment(cfg.capacity)
     handler = SegmentHandler(segment)
-    listener = await make_transport(cfg.transport).listen(cfg.host, cfg.port, handler)
+    listener = await _listen(cfg, handler)
     node_id = cfg.node_id or listener.address
     if keys is not None:  # before registering: the master grants nothing on us before that
         handler.grants = GrantCheck(keys.grant, node_id, cfg.grant_skew_s)

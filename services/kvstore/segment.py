@@ -78,6 +78,10 @@ class SegmentHandler:
         return target
 
     async def handle(self, header: bytes, payload: memoryview):
+        return self.serve(header, payload)
+
+    def serve(self, header: bytes, payload: memoryview):
+        """The request served without awaiting (a thread-per-connection listener calls this)."""
         op = NodeOp.decode(header)
         if op.op == READ:
             return b"", self._target(header)[1]

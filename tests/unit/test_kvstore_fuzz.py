@@ -17,7 +17,8 @@ from pdserve.connector.codec import HEADER_SIZE, BlockCodec, BlockCodecError
 from pdserve.connector.io_thread import IOThread
 from pdserve.connector.kvstore.auth import derive, sign_capability
 from pdserve.connector.kvstore.node_protocol import READ, WRITE, NodeOp
-from pdserve.connector.transport import framing, make_transport
+from pdserve.connector.transport import framing
+from pdserve.connector.transport.tcp import TcpTransport
 from pdserve.services.kvstore.segment import GrantCheck, Segment, SegmentHandler
 
 CODEC = BlockCodec("0f" * 32, 2, 4, 2, 8, mac_key=b"k" * 32)
@@ -79,7 +80,8 @@ class _Node:
         handler = SegmentHandler(self.segment, GrantCheck(GRANT, "n0", 0.0))
 
         async def listen():
-            return await make_transport("tcp").listen("127.0.0.1", 0, handler)
+            # the storage node's own listener: a thread per connection (node.py)
+            return await TcpTransport().listen_threads("127.0.0.1", 0, handler)
         self.listener = self.io.run(listen(), 10)
         self.port = self.listener.port
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from pdserve.connector.transport import TransportError, framing
-from pdserve.connector.transport.splice import MIN_SPLICE_BYTES, PIPE_BYTES, Splicer
+from pdserve.connector.transport.splice import (MIN_SPLICE_BYTES, PIPE_BYTES, Splicer,
+                                                spliced)
 from pdserve.connector.transport.tcp import TcpTransport
 from tests.unit.test_transport_roundtrip import _Landing as _Sink  # lands in place, answers ok
 
@@ -30,9 +31,42 @@ def test_the_splice_path_is_available_here():
     s.close()
 
 
+def test_payloads_from_64_kib_up_to_1_mib_are_spliced_the_rest_copied():
+    assert [spliced(n) for n in (MIN_SPLICE_BYTES - 1, MIN_SPLICE_BYTES, 737_408,
+                                 PIPE_BYTES - 1, PIPE_BYTES, 3 * PIPE_BYTES)] == [
+        False, True, True, True, False, False]
+
+
+@linux_only
+def test_a_splice_in_several_pipe_rounds_lands_intact():
+    """Splicer.send on its own: a payload three times the pipe's size goes in rounds."""
+    data = np.random.default_rng(7).integers(0, 256, 3 * PIPE_BYTES + 5, dtype=np.uint8)
+    a, b = socket.socketpair()
+    got = bytearray()
+
+    def drain():
+        while len(got) < len(data):
+            got.extend(b.recv(1 << 20))
+    th = threading.Thread(target=drain, daemon=True)
+    th.start()
+    a.setblocking(False)
+    s = Splicer.open()
+
+    async def main():
+        await s.send(asyncio.get_running_loop(), a, memoryview(data))
+    try:
+        _run(main())
+        th.join(30)
+        assert bytes(got) == data.tobytes()
+    finally:
+        s.close()
+        a.close()
+        b.close()
+
+
 @linux_only
 @pytest.mark.parametrize("n,offset", [(MIN_SPLICE_BYTES, 0), (MIN_SPLICE_BYTES + 1, 3),
-                                      (PIPE_BYTES + 4097, 1), (3 * PIPE_BYTES, 0),
+                                      (PIPE_BYTES - 1, 1), (3 * PIPE_BYTES, 0),
                                       (737_408, 128)])
 @pytest.mark.parametrize("kind", ["bytes", "bytearray", "numpy"])
 def test_spliced_payloads_land_intact(n, offset, kind):
