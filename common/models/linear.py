@@ -31,6 +31,7 @@ from torch import nn
 
 from pdserve.common.models.cpu_gemm import pack_weight, packed_linear, packed_linear_binary
 from pdserve.common.models.quant.gemm import packed_linear as quant_linear
+from pdserve.common.models.quant.gemm import packed_silu_and_mul as quant_silu_and_mul
 from pdserve.common.models.quant.packed import PackedWeight
 
 logger = logging.getLogger(__name__)
@@ -176,6 +177,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             (wg, bg), (wu, bu) = self.packed_shards
             gate = packed_linear(x, wg, bg, activation="swish")
             return packed_linear_binary(x, gate, wu, bu, "mul")
+        if self.packed_weight is not None:  # GGUF blocks: fused on the large-M path too
+            return quant_silu_and_mul(x, self.packed_weight, self.bias)
         gate, up = super().forward(x).chunk(2, dim=-1)
         return nn.functional.silu(gate) * up
 

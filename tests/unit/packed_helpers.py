@@ -16,10 +16,19 @@ from pdserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.common.engine.llm import LLM
 from pdserve.common.models.gguf_loader import load_gguf
 from pdserve.common.models.quant import gemm
+from pdserve.common.models.quant.cpu_native import load_packed_kernels
 from pdserve.common.models.quant.packed import PackedWeight, QType
 from pdserve.common.models.registry import LoadedModel, model_fingerprint
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.tokenizer import Tokenizer
+
+
+def _switch_m() -> int:
+    native = load_packed_kernels()
+    return gemm.large_m(native.simd) if native is not None else max(gemm.LARGE_M.values())
+
+
+LARGE_M = _switch_m()  # this build's switch from the packed kernel to expand + GEMM
 
 
 def make_weight(qtype: QType, n: int, k: int, seed: int = 0) -> tuple[PackedWeight, torch.Tensor]:
@@ -99,8 +108,8 @@ def engine(path, packed: bool) -> LLM:
 
 def assert_same_greedy(ours: LLM, ref: LLM, vocab: int) -> None:
     """Equal greedy tokens and logprobs (up to summation order) for a short prompt and one long
-    enough to cross quant.gemm.LARGE_M (both CPU paths run)."""
-    long_prompt = [(7 * i) % (vocab - 1) + 1 for i in range(gemm.LARGE_M + 9)]
+    enough to cross this build's quant.gemm.large_m (both CPU paths run)."""
+    long_prompt = [(7 * i) % (vocab - 1) + 1 for i in range(LARGE_M + 9)]
     prompts = [[3, 17, 42, 99, 5], long_prompt]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     for a, b in zip(ours.generate(prompts, params), ref.generate(prompts, params)):

@@ -15,7 +15,7 @@ import torch
 from pdserve.common.models.quant import gemm
 from pdserve.common.models.quant.cpu_native import load_packed_kernels
 from pdserve.common.models.quant.packed import PackedWeight, QType
-from pdserve.tests.unit.packed_helpers import make_weight, reference, tol
+from pdserve.tests.unit.packed_helpers import LARGE_M, make_weight, reference, tol
 
 torch.set_num_threads(2)
 QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0]
@@ -64,15 +64,29 @@ def test_native_kernel_takes_row_strided_views():
                                reference(x, ref, residual=residual), **tol(64))
 
 
-@pytest.mark.parametrize("m", [gemm.LARGE_M - 1, gemm.LARGE_M, 70])
+@pytest.mark.parametrize("tile", [64, None], ids=["tiled", "whole"])
+@pytest.mark.parametrize("m", [LARGE_M - 1, LARGE_M, 70])
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
-def test_dispatch_both_sides_of_the_switch(monkeypatch, qtype, m):
-    monkeypatch.setattr(gemm, "TILE_ROWS", 64)  # the large-M path also tiles N = 150
+def test_dispatch_both_sides_of_the_switch(monkeypatch, qtype, m, tile):
+    if tile:  # the large-M path expands N = 150 in tiles of 64 rows, else all at once
+        monkeypatch.setattr(gemm, "EXPAND_BYTES", tile * 4 * 96)
     w, ref = make_weight(qtype, 150, 96)
     g = torch.Generator().manual_seed(m)
     x, bias, residual = torch.randn(m, 96, generator=g), torch.randn(150), torch.randn(m, 150)
     torch.testing.assert_close(gemm.packed_linear(x, w, bias, residual),
                                reference(x, ref, bias, residual), **tol(96))
+
+
+@pytest.mark.parametrize("m", [3, LARGE_M])
+@pytest.mark.parametrize("bias", [False, True])
+def test_silu_and_mul_matches_fp32(m, bias):
+    """gate/up's fused SiLU-and-mul (oneDNN post-ops on the expanded weight at large M)."""
+    w, ref = make_weight(QType.Q4_1, 2 * 40, 96)
+    g = torch.Generator().manual_seed(m)
+    x, b = torch.randn(m, 96, generator=g), torch.randn(80, generator=g) if bias else None
+    gate, up = reference(x, ref, b).split(40, dim=-1)
+    torch.testing.assert_close(gemm.packed_silu_and_mul(x, w, b),
+                               torch.nn.functional.silu(gate) * up, **tol(96))
 
 
 def test_torch_fallback_without_native(monkeypatch):

@@ -22,7 +22,7 @@ from pdserve.common.models.quant.packed import PackedWeight, QType
 from pdserve.common.models.quant.triton_gemm import triton_packed_linear
 from pdserve.common.models.registry import expand_weights, model_fingerprint
 from pdserve.tests.unit.kquant_helpers import KQUANTS, make_kquant_weight, random_kquant_rows
-from pdserve.tests.unit.packed_helpers import (assert_same_greedy, engine, reference, tol,
+from pdserve.tests.unit.packed_helpers import (LARGE_M, assert_same_greedy, engine, reference, tol,
                                                write_tiny_llama_gguf)
 
 torch.set_num_threads(2)
@@ -67,9 +67,9 @@ def test_native_kernel_matches_fp32_gemm(qtype, m, n, k):
 
 @pytest.mark.parametrize("qtype", KQUANTS, **IDS)
 def test_dispatch_large_m_path(monkeypatch, qtype):
-    monkeypatch.setattr(gemm, "TILE_ROWS", 64)  # the large-M path also tiles N = 150
+    monkeypatch.setattr(gemm, "EXPAND_BYTES", 64 * 4 * 256)  # large M tiles N = 150
     w, ref = make_kquant_weight(qtype, 150, 256, seed=3)
-    x = torch.randn(gemm.LARGE_M, 256, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(LARGE_M, 256, generator=torch.Generator().manual_seed(0))
     t = {key: v * ref.abs().max().item() for key, v in tol(256).items()}
     torch.testing.assert_close(gemm.packed_linear(x, w), reference(x, ref), **t)
 

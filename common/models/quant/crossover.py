@@ -1,6 +1,7 @@
-"""Measure where the packed kernel stops beating expand-then-GEMM (quant/gemm.py's LARGE_M).
+"""Measure where the packed kernel stops beating expand-then-GEMM (quant/gemm.py's LARGE_M, per
+kernel build: run it once per `PDSERVE_CPU_ISA`).
 
-    flock /tmp/pdserve-cpu.lock python -m pdserve.common.models.quant.crossover --num-threads 2
+    flock /tmp/pdserve-bench.lock python -m pdserve.common.models.quant.crossover --num-threads 2
 
 Times both CPU paths over one forward's worth of SmolLM2-shaped matrices of one type (`--qtype`,
 Q4_1 by default; random blocks with small finite fp16 scales; every layer's own weights, so
@@ -20,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from pdserve.common.models.cpu_gemm import onednn_available, pack_weight
 from pdserve.common.models.quant import gemm
 from pdserve.common.models.quant.cpu_native import load_packed_kernels
 from pdserve.common.models.quant.packed import PackedWeight, QType
@@ -86,7 +88,9 @@ def main() -> int:
         raise SystemExit("the packed kernels did not build")
     ws = _weights(QType[args.qtype], args.layers, SHAPES[args.shapes])
     _fix_scales(ws)
-    fp32 = [gemm.expand(w) for w in ws] if args.fp32 else None
+    # the fp32 path's weights: expanded at load and, with oneDNN, reordered once (prepacked)
+    prepack = pack_weight if onednn_available() else (lambda t: t)
+    fp32 = [prepack(gemm.expand(w)) for w in ws] if args.fp32 else None
     rows = []
     for m in args.m:
         packed = time_path(native, ws, m, False, args.repeats)

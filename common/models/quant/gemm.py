@@ -5,10 +5,11 @@
   weight rows is expanded once into cache-resident scratch and a register-tiled micro-kernel
   runs over all rows. Decode steps live here; the weight bytes streamed per step are the packed
   ones (Q4_1: 0.625 bytes per weight instead of 4; Q4_K 0.5625, Q6_K 0.82).
-- CPU, M >= LARGE_M: expand TILE_ROWS rows of W at a time to fp32 (native) and multiply with
-  oneDNN's fp32 GEMM (torch's where oneDNN is missing). With many rows the GEMM is compute-bound, the expansion is paid once per
-  M rows, and the tuned GEMM beats the packed kernel (whose activation blocks stream from L3
-  once per panel).
+- CPU, M >= LARGE_M[simd]: expand W to fp32 (native; whole, or in EXPAND_BYTES tiles of rows)
+  and multiply with oneDNN's fp32 GEMM, bias and residual (and gate/up's SiLU-and-mul) fused
+  as post-ops like the fp32 path's (torch's `linear` where oneDNN is missing). With many rows
+  the GEMM is compute-bound, the expansion is paid once per M rows, and the tuned GEMM beats
+  the packed kernel (whose activation blocks stream from L3 once per panel).
 - CUDA: the Triton kernel (quant/triton_gemm.py), which expands blocks in registers too.
 - Otherwise (no native build): expand with torch ops (packed.py) and multiply.
 
@@ -22,15 +23,24 @@ import torch
 
 from pdserve.common.models.cpu_gemm import onednn_available
 from pdserve.common.models.cpu_gemm import packed_linear as cpu_gemm_linear
+from pdserve.common.models.cpu_gemm import packed_linear_binary as cpu_gemm_binary
 from pdserve.common.models.quant.cpu_native import load_packed_kernels
 from pdserve.common.models.quant.packed import PackedWeight
 
-# Measured on the 2-core AMD EPYC (AVX2 build, 2 threads) over 30 SmolLM2-shaped Q4_1 layers
-# with `flock /tmp/pdserve-cpu.lock python -m pdserve.common.models.quant.crossover` (numbers
-# in docs/packed-weights.md): the packed kernel is 1.7-8.7x faster than expand + fp32 GEMM up
-# to M = 128, expand + GEMM faster from M = 256 on (0.64x at 256, 0.88x at 512).
-LARGE_M = 256
-TILE_ROWS = 1024  # rows expanded per GEMM call on the large-M path: 2.4 MB at K = 576
+# From this many activation rows on, expand + oneDNN GEMM; below, the packed kernel. Per build
+# (the kernel module's `simd`), measured with `python -m pdserve.common.models.quant.crossover`
+# over 30 SmolLM2-shaped Q4_1 layers, 2 threads (figures in docs/packed-weights.md).
+LARGE_M = {"avx512": 256, "avx2": 256, "scalar": 256}
+# Most fp32 bytes the large-M path expands at once: a whole SmolLM2-135M matrix (7 MB at most;
+# its LM head tiles), a SmolLM2-1.7B gate/up in 5 tiles. Transient: freed after the GEMM.
+EXPAND_BYTES = 32 << 20
+
+
+def large_m(simd: str) -> int:
+    """The switch point of the kernel build `simd` ("avx512", "avx2" or "scalar")."""
+    if simd not in LARGE_M:
+        raise ValueError(f"unknown packed-kernel build {simd!r}")
+    return LARGE_M[simd]
 
 
 def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
@@ -49,7 +59,7 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     if native is None:
         y = torch.nn.functional.linear(x, w.dequantize(), bias)
         return y if residual is None else y + residual
-    if x.shape[0] < LARGE_M:
+    if x.shape[0] < large_m(native.simd):
         return native.packed_gemm(x, w.data, int(w.qtype), bias, residual)
     return _expand_then_gemm(native, x, w, bias, residual)
 
@@ -63,25 +73,56 @@ def expand(w: PackedWeight) -> torch.Tensor:
 
 
 def _expand_then_gemm(native, x, w: PackedWeight, bias, residual) -> torch.Tensor:
-    """Expand TILE_ROWS rows at a time (bounded scratch, never the whole fp32 weight)."""
+    """The whole weight expanded once into one transient fp32 tensor and one oneDNN GEMM with
+    the bias and residual fused, when it fits EXPAND_BYTES (every SmolLM2-135M matrix but the
+    LM head); else tiles of rows (bounded scratch), each tile's product copied into place."""
     n, k, qt = w.out_features, w.in_features, int(w.qtype)
     x = x.contiguous()
-    if n <= TILE_ROWS:
-        y = _fp32_gemm(x, native.dequantize(w.data, qt, k, 0, n), bias)
-    else:
-        y = torch.empty(x.shape[0], n, dtype=x.dtype)
-        for n0 in range(0, n, TILE_ROWS):
-            n1 = min(n0 + TILE_ROWS, n)
-            y[:, n0:n1] = _fp32_gemm(x, native.dequantize(w.data, qt, k, n0, n1), None)
-        if bias is not None:
-            y += bias
+    rows = _tile_rows(k)
+    if n <= rows:
+        return _fp32_gemm(x, native.dequantize(w.data, qt, k, 0, n), bias, residual)
+    y = torch.empty(x.shape[0], n, dtype=x.dtype)
+    for n0 in range(0, n, rows):
+        n1 = min(n0 + rows, n)
+        y[:, n0:n1] = _fp32_gemm(x, native.dequantize(w.data, qt, k, n0, n1), None)
+    if bias is not None:
+        y += bias
     return y if residual is None else y.add_(residual)
 
 
-def _fp32_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_silu_and_mul(x: torch.Tensor, w: PackedWeight,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] -> silu(x Wg^T + bg) * (x Wu^T + bu) [M, N / 2] for W = [gate; up] [N, K].
+    On the large-M CPU path with oneDNN and a weight that fits EXPAND_BYTES, SiLU and the
+    product run as post-ops of the two GEMMs on the one expanded weight, as the fp32 path's
+    MergedColumnParallelLinear does (no [M, N] round trip)."""
+    half = w.out_features // 2
+    native = load_packed_kernels() if x.device.type == "cpu" else None
+    if (native is not None and x.dtype == torch.float32 and x.dim() == 2
+            and x.shape[0] >= large_m(native.simd) and onednn_available()
+            and w.out_features <= _tile_rows(w.in_features)):
+        full = native.dequantize(w.data, int(w.qtype), w.in_features, 0, w.out_features)
+        bg, bu = (None, None) if bias is None else bias.split(half)
+        x = x.contiguous()
+        gate = cpu_gemm_linear(x, full[:half], bg, activation="swish")
+        return cpu_gemm_binary(x, gate, full[half:], bu, "mul")
+    gate, up = packed_linear(x, w, bias).split(half, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _tile_rows(k: int) -> int:
+    """Weight rows the large-M path expands at once (EXPAND_BYTES of fp32)."""
+    return max(1, EXPAND_BYTES // (4 * k))
+
+
+def _fp32_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
     """oneDNN's fp32 GEMM on a plain (not prepacked) weight where torch has it: on the AMD
     EPYC it matched the prepacked GEMM at M = 2048 and ran 1.2-7x faster than torch's `linear`
     (MKL's generic path on non-Intel CPUs) at SmolLM2's shapes."""
     if onednn_available():
+        if residual is not None:
+            return cpu_gemm_binary(x, residual, w, bias, "add")
         return cpu_gemm_linear(x, w, bias)
-    return torch.nn.functional.linear(x, w, bias)
+    y = torch.nn.functional.linear(x, w, bias)
+    return y if residual is None else y.add_(residual)
