@@ -4,6 +4,12 @@ DNS and registry watchers, and the engines' registry heartbeat all keep one of t
 Lifecycle: `start()` (optionally runs the callable once first, so the caller begins with a
 fresh answer) -> the task sleeps and calls, forever -> `stop()` cancels it and waits for it.
 The callable handles its own errors; one that escapes ends the task.
+
+`stop()` also raises a flag the loop checks after every call, because a cancellation that
+lands inside the callable can be swallowed: redis-py turns a CancelledError during a command
+on a dying connection into a ConnectionError, which the registry heartbeat catches and logs,
+and the loop went on beating forever while its engine waited in `stop()` to shut down (seen
+when a SIGKILLed `pdserve up` took Redis and the engines down at once).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ class Periodic:
     def __init__(self, fn: Callable[[], Awaitable[object]], interval_s: float, name: str):
         self._fn, self._interval_s, self._name = fn, interval_s, name
         self._task: Optional[asyncio.Task] = None
+        self._stopping = False
 
     async def start(self, run_now: bool = True) -> None:
         if run_now:
@@ -27,11 +34,13 @@ class Periodic:
         return self._task is not None and not self._task.done()
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self._interval_s)
-            await self._fn()
+            if not self._stopping:
+                await self._fn()
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
