@@ -25,6 +25,7 @@ class Periodic:
         self._stopping = False
 
     async def start(self, run_now: bool = True) -> None:
+        self._stopping = False
         if run_now:
             await self._fn()
         self._task = asyncio.create_task(self._loop(), name=self._name)
