@@ -30,6 +30,8 @@ from pdserve.services.launcher import free_port
 from pdserve.tests.integration.disagg_helpers import engine_load, generate, metric, wait_for
 from pdserve.tests.integration.services_helpers import offline_engine
 
+BREAKER_OPEN_S = 5.0  # the router's --breaker-open default
+
 MAX_TOKENS = 200
 PROMPTS = [[(17 * i + 5 * j) % 190 + 7 for j in range(20 + 9 * i)] for i in range(8)]
 
@@ -135,13 +137,19 @@ def test_decode_killed_and_drained_under_streams(tmp_path, reference):
 
         # SIGKILL decode0 with streams in flight: each stream migrates and completes
         victim = up.pid_of("decode0")
-        results = run_streams(up, lambda: __import__("os").kill(victim, signal.SIGKILL))
+        killed_at = []
+        results = run_streams(up, lambda: (killed_at.append(time.monotonic()),
+                                           __import__("os").kill(victim, signal.SIGKILL)))
         for i, (tokens, err) in enumerate(results):
             assert err is None and tokens == reference[i], f"stream {i}: {err}"
         assert metric(up.url, "pdserve_router_migrations_total", 'outcome="ok"') >= 1
         wait_for(lambda: "decode0      ready again" in up.text, 120, "decode0 restarted")
         wait_for(lambda: httpx.get(up.url + "/health", timeout=5).json().get(
             "healthy_instances") == 2, 20, "decode0 back in the router's pool")
+        # the router's breaker for decode0 opened at the kill and stays open for its window
+        # (--breaker-open, 5 s by default) even once Health says SERVING: a decode that
+        # restarts faster than that (3 s on a quiet Zen 5) gets no request until it closes
+        time.sleep(max(0.0, killed_at[0] + BREAKER_OPEN_S + 0.5 - time.monotonic()))
         before = engine_load(up.addr["decode0"]).num_finished
         for i in range(6):  # the restarted instance gets traffic again (prompts not cached)
             generate(up.grpc, [(31 * i + 3 * j) % 150 + 30 for j in range(40)], 4)
