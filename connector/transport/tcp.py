@@ -192,14 +192,18 @@ class TcpConnection(Connection):
     async def pipeline(self, requests, before_send: Optional[BeforeSend] = None,
                        on_reply: Optional[OnReply] = None) -> list:
         """Connection.pipeline with the sends on one task and the answers read on another
-        (pipeline.py); any failure resets the connection, so spliced or half-sent payloads
-        never reach the peer once the caller has its buffers back."""
+        (pipeline.py); any failure resets the connection, so half-sent payloads never
+        reach the peer once the caller has its buffers back."""
         loop = asyncio.get_running_loop()
         views = [as_bytes_view(p) for _, p in requests]
 
+        # Copied, not spliced: with the socket's send queue kept full by the pipeline, each
+        # splice round waits on it while a copy fills it in one call; 0.5 MiB WRITEs
+        # pipelined to a node ran at ~3.9 GB/s copied against ~2.0 spliced (2-core Xeon,
+        # 3 runs each, 2026-12-02).
         async def send(i: int) -> None:
             await _send_frame(loop, self._sock, framing.KIND_REQUEST, requests[i][0],
-                              views[i], self._splicer)
+                              views[i])
 
         async def receive() -> Reply:
             kind, rheader, payload_len = await _recv_head(loop, self._sock, _RESPONSES)
