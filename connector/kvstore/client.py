@@ -4,7 +4,9 @@ gRPC, bytes to and from storage nodes over the KV transport.
 A put is PutStart (the master places each replica: node + offset, with a write capability) ->
 write the bytes to every replica in parallel -> PutEnd; if a write fails or the put passes its
 deadline, PutRevoke, so readers never see a half-written object and the master frees its space
-at once. A get asks for the replica list (which renews the object's lease and hands out read
+at once. `put_many` does the same for many objects with one BatchPutStart, each node's
+writes pipelined on one connection, and one BatchPutEnd (batch_put.py). A get asks for the
+replica list (which renews the object's lease and hands out read
 capabilities) and reads from the first replica that answers. A miss is a return value (None /
 PutStatus); an unreachable or too slow master or storage node raises `KVStoreUnavailable`.
 
