@@ -117,7 +117,10 @@ async def _write_node(pool: ConnectionPool, address: str, writes: list[tuple[int
         if ready is not None:
             await ready[writes[j][0]]
 
+    answered: set[int] = set()
+
     def on_reply(j: int, answer) -> None:
+        answered.add(j)
         error = None if not isinstance(answer, RemoteError) else KVStoreUnavailable(
             f"write to node {writes[j][1].node_id} refused: {answer}")
         progress.acked(writes[j][0], error)
@@ -125,14 +128,13 @@ async def _write_node(pool: ConnectionPool, address: str, writes: list[tuple[int
     try:
         async with pool.connection(address) as conn:
             await conn.pipeline(requests, before_send, on_reply)
-    except (TransportError, RemoteError) as exc:  # the writes not acked by now failed
-        for i, r in writes:
-            progress.errors.setdefault(i, KVStoreUnavailable(
-                f"write to node {r.node_id} failed: {exc}"))
-    except Exception as exc:  # noqa: BLE001 - a `ready` that failed (its block's MAC)
-        for i, _ in writes:
-            progress.errors.setdefault(i, KVStoreUnavailable(
-                f"object not ready: {type(exc).__name__}: {exc}"))
+    except Exception as exc:  # noqa: BLE001 - broken connection, or a `ready` that failed
+        why = (f"write to node {writes[0][1].node_id} failed: {exc}"
+               if isinstance(exc, (TransportError, RemoteError))
+               else f"object not ready: {type(exc).__name__}: {exc}")
+        for j, (i, _) in enumerate(writes):  # the writes not acked by now did not happen
+            if j not in answered:
+                progress.errors.setdefault(i, KVStoreUnavailable(why))
 
 
 async def _end(master: MasterCalls, skeys: list[bytes]) -> list[bool]:

@@ -90,8 +90,8 @@ class Connection(abc.ABC):
         also given to `on_reply(i, answer)` as it arrives. Where the transport can (TCP:
         connector/transport/pipeline.py) a request goes out before the ones ahead of it are
         answered; here, one at a time. A broken connection raises TransportError, and an
-        exception of `before_send` ends the pipeline too: the requests not answered by then
-        did not complete (and a TCP connection is closed). Payloads must stay unchanged
+        exception of `before_send` ends the pipeline too (raised as it is): the requests
+        not answered by then did not complete (and a TCP connection is closed). Payloads must stay unchanged
         until this returns or raises."""
         answers = []
         for i, (header, payload) in enumerate(requests):

@@ -233,3 +233,29 @@ def test_the_connector_saves_a_step_through_put_many(redis_url, tmp_path):
             conn.close()
 
     _run(main())
+
+
+def test_an_object_whose_ready_fails_is_revoked_and_the_acked_ones_stay(redis_url, tmp_path):
+    async def main():
+        async with store(redis_url, tmp_path, nodes=1) as (maddr, _):
+            async with KVStoreClient(maddr, config=CFG) as kv:
+                loop = asyncio.get_running_loop()
+                ready = [loop.create_future() for _ in range(4)]
+                for fut in ready[:2]:
+                    fut.set_result(None)
+
+                async def fail_later():
+                    await asyncio.sleep(0.3)  # after objects 0 and 1 are acked
+                    ready[2].set_exception(ValueError("MAC failed"))
+                failing = asyncio.ensure_future(fail_later())
+                got = await kv.put_many([(b"f%d" % i, b"x" * 5000) for i in range(4)],
+                                        ready=ready)
+                await failing
+                assert got[:2] == [PutStatus.OK] * 2
+                assert all(isinstance(g, KVStoreUnavailable) and "not ready" in str(g)
+                           for g in got[2:])
+                assert await kv.batch_exists([b"f%d" % i for i in range(4)]) == [
+                    True, True, False, False]
+                assert (await kv.stats()).nodes[0].used == 2 * 5056  # 64-byte aligned
+
+    _run(main())
