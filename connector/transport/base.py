@@ -91,8 +91,8 @@ class Connection(abc.ABC):
         connector/transport/pipeline.py) a request goes out before the ones ahead of it are
         answered; here, one at a time. A broken connection raises TransportError, and an
         exception of `before_send` ends the pipeline too (raised as it is): the requests
-        not answered by then did not complete (and a TCP connection is closed). Payloads must stay unchanged
-        until this returns or raises."""
+        not answered by then did not complete (and a TCP connection is closed). Payloads
+        must stay unchanged until this returns or raises."""
         answers = []
         for i, (header, payload) in enumerate(requests):
             if before_send is not None:
