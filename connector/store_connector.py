@@ -36,10 +36,9 @@ the blocks before it as loaded, so the engine recomputes from there.
 Reuse (ConnectorConfig.reuse, on by default; docs/kv-reuse.md): a producer is a consumer too,
 so a prefill instance loads the stored prefix of a prompt (a shared system prompt, a
 conversation's history) through the same WAITING_FOR_KV path, validation and fallback ladder,
-and computes only the rest; a consumer is a producer too, so when a decode request finishes
-(or is preempted: its blocks are copied out first, then freed), its full blocks the store
-lacks (the answer, and a prompt tail it recomputed) are put under the same chained keys, and
-the next turn of the conversation is a store hit on any instance.
+and computes only the rest; a consumer is a producer too, so the full blocks a decode
+request computes (the answer, and a prompt tail it recomputed) are put under the same chained
+keys, and the next turn of the conversation is a store hit on any instance.
 Decode saves a block as soon as it becomes full, through the producer's path (staged before the
 step, copied out layer by layer during it, put after it), not when the request finishes: a
 chat client sends the next turn the moment the answer ends, and a finish-time save of the
