@@ -158,17 +158,9 @@ def test_decode_saves_racing_eviction_and_preemption(tiny):
     store = InMemoryBlockStore()
     prompts = [TURN1, list(range(60, 109)), list(range(110, 159))]
     d = engine(tiny, store, "consumer", num_blocks=14)  # cannot hold all three answers
-    copied = []
-    save_copied = d.connector._save_copied
-
-    def spy(keys, buf):
-        copied.append(keys)
-        return save_copied(keys, buf)
-    d.connector._save_copied = spy
     store.delay_s = 0.05
     got = run(d, [(f"r{i}", p, GREEDY, None, None) for i, p in enumerate(prompts)])
     assert d.scheduler.num_preemptions > 0
-    assert copied and all(k in store.objects for keys in copied for k in keys)
     store.delay_s = 0.0
     idle(d)
     d.close()
@@ -182,18 +174,46 @@ def test_decode_saves_racing_eviction_and_preemption(tiny):
         fresh.close()
 
 
+def test_decode_saves_a_block_as_soon_as_it_fills(tiny):
+    """A chat client sends the next turn the moment an answer ends: the answer's blocks must
+    not wait for the request to finish. Here the engine stops stepping mid-answer, and the
+    blocks that filled so far reach the store anyway."""
+    store = InMemoryBlockStore()
+    d = engine(tiny, store, "consumer")
+    long = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    d.add_request("r", TURN1, long)
+    req = d.scheduler.requests["r"]
+    while req.num_computed_tokens < 4 * BS + 2:  # the prompt's 3 blocks and one answer block
+        d.step()
+    assert d.has_unfinished_requests()
+    want = req.block_hashes[:4]
+    deadline = time.monotonic() + 10
+    while not all(k in store.objects for k in want):
+        assert time.monotonic() < deadline, "the filled blocks were not saved mid-answer"
+        time.sleep(0.01)
+    d.abort_request("r")
+    while d.has_unfinished_requests():
+        d.step()
+    saved = d.connector.stats.blocks_saved
+    assert saved >= 4  # the cancel saves nothing more, but what filled before it stays
+    idle(d)
+    d.close()
+
+
 def test_no_leak_after_cancel_failed_save_or_budget(tiny):
     store = InMemoryBlockStore()
     _, _, d = disagg(tiny, store, TURN1)
     d.close()
     d = engine(tiny, store, "consumer", save_budget_bytes=1)  # not one block fits
     run(d, [("b", TURN1 + QUESTION, GREEDY, None, None)])
-    assert d.connector.stats.saves_over_budget == 1 and d.connector.stats.blocks_saved == 0
+    # over budget in the step that computed the prompt's 4 blocks and the one the answer filled
+    assert d.connector.stats.saves_over_budget == 2 and d.connector.stats.blocks_saved == 0
     idle(d)
     d.close()
     d = engine(tiny, store, "consumer")
-    run(d, [("c", TURN1 + QUESTION, GREEDY, None, None)], abort_after="c")
-    assert d.connector.stats.blocks_saved == 0  # a cancelled request saves nothing
+    run(d, [("c", list(range(150, 200)), GREEDY, None, None)], abort_after="c")
+    # a cancelled request saves nothing more: only the prompt's 3 blocks, filled before it
+    assert d.connector.stats.blocks_saved == 3
     idle(d)
     put = store.put
 
