@@ -128,26 +128,50 @@ def test_opted_out_request_saves_nothing(tiny):
     d.close()
 
 
-@pytest.mark.parametrize("failure", ["down", "evicted"])
-def test_store_failure_during_a_prefill_load_recomputes(tiny, failure):
+# failure -> blocks of the 3 stored that load before it (None: the lookup itself failed)
+LOAD_FAILURES = {"lookup_down": None, "down": 0, "first_evicted": 0, "middle_evicted": 1,
+                 "last_corrupt": 2, "timeout": 0}
+
+
+@pytest.mark.parametrize("failure", sorted(LOAD_FAILURES))
+def test_store_failure_at_any_point_of_a_prefill_load_recomputes(tiny, failure):
+    """The store fails at each point of a prefill's load of a 3-block stored prefix: the
+    blocks before the failure are used, the rest recomputed, the token is unchanged."""
     store = InMemoryBlockStore()
     run(engine(tiny, store, "producer"), [("a", TURN1, FIRST, None, None)])
-    p = engine(tiny, store, "producer")
+    p = engine(tiny, store, "producer", load_timeout_s=0.2)
     lookup = store.prefix_lookup
 
     async def then_fail(keys):  # the lookup answers; the load that follows fails
+        if failure == "lookup_down":
+            raise ConnectionError("store is down")
         n = await lookup(keys)
         if failure == "down":
             store.down = True
-        else:
-            store.objects.pop(keys[1])
+        elif failure.endswith("evicted"):
+            store.objects.pop(keys[0 if failure == "first_evicted" else 1])
+        elif failure == "last_corrupt":
+            data = bytearray(store.objects[keys[2]])
+            data[-1] ^= 0x40  # one payload bit: the block's MAC no longer matches
+            store.objects[keys[2]] = bytes(data)
+        elif failure == "timeout":
+            store.delay_s = 1.0
+        store.prefix_lookup = lookup
         return n
     store.prefix_lookup = then_fail
     first = run(p, [("p", TURN1 + QUESTION, FIRST, None, None)])["p"]
+    store.down, store.delay_s = False, 0.0
     assert first == reference(tiny, TURN1 + QUESTION)[:1]
-    assert p.connector.stats.load_failures == 1
-    assert p.connector.stats.blocks_loaded == (0 if failure == "down" else 1)
-    assert p.scheduler.num_load_failures == 1
+    loaded = LOAD_FAILURES[failure]
+    stats = p.connector.stats
+    if loaded is None:
+        assert stats.lookup_failures == 1 and stats.load_failures == 0
+        assert stats.blocks_loaded == 0
+    else:
+        assert stats.load_failures == 1 and stats.blocks_loaded == loaded
+        assert p.scheduler.num_load_failures == 1
+    if failure == "last_corrupt":
+        assert stats.failure_reasons.get("codec") == 1
     idle(p)
     p.close()
 
