@@ -716,8 +716,9 @@ at::Tensor packed_gemm_silu_mul(const at::Tensor& x, const at::Tensor& w, int64_
   if (M == 0 || half == 0) return out;
   float* yp = g.out;
   float* op = out.data_ptr<float>();
+  // from PANEL_MIN_M rows on, whole 32-row panels per task (the vector builds' PANEL)
   const int64_t grain = M >= PANEL_MIN_M
-                            ? PANEL
+                            ? 32
                             : std::max<int64_t>(1, std::min<int64_t>(64, half / (8 * at::get_num_threads())));
   dispatch(qtype, [&](auto qt) {
     at::parallel_for(0, half, grain, [&](int64_t p0, int64_t p1) {
