@@ -478,12 +478,22 @@ inline void dot_q4_lut(const Gemm& g, const float* f, int64_t n, int64_t m0) {
     g.store(m0 + r, n, vsum(vadd(vadd(acc[r][0], acc[r][1]), vadd(acc[r][2], acc[r][3]))));
 }
 
+// Rows ahead of the one being multiplied whose bytes are requested (prefetcht0): a decode step
+// reads every weight once, from L3 or DRAM, and each GEMM is too short (a few hundred KB per
+// thread) for the hardware prefetcher's ramp-up to hide that.
+constexpr int64_t kRowsAhead = 6;
+
 template <int64_t QT>
 void q4_lut_columns(const Gemm& g, int64_t n0, int64_t n1) {
   Q4Scales<QT> sc(g.K);
   sc.copy(g, n0, 0);
+  for (int64_t n = n0; n < std::min(n1, n0 + kRowsAhead); ++n)
+    for (int64_t b = 0; b < g.row_bytes; b += 64) __builtin_prefetch(g.w + n * g.row_bytes + b, 0, 3);
   for (int64_t n = n0; n < n1; ++n) {
     const int slot = static_cast<int>((n - n0) & 1);
+    if (n + kRowsAhead < n1)
+      for (int64_t b = 0; b < g.row_bytes; b += 64)
+        __builtin_prefetch(g.w + (n + kRowsAhead) * g.row_bytes + b, 0, 3);
     if (n + 1 < n1) sc.copy(g, n + 1, slot ^ 1);
     sc.widen(slot);
     int64_t m = 0;
