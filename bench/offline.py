@@ -202,10 +202,13 @@ def run_offline(args) -> int:
         loaded[modes[0]], weights=expand_weights(loaded[modes[0]].weights)))
     ours: dict[str, list[float]] = {m: [] for m in modes}
     theirs = []
+    prefill_only: list[float] = []  # --batch1: the prompts with one output token each
     t = args.temperature
     for _ in range(args.repeats):  # interleaved, so drift hits all alike
         for m in modes:
             ours[m].append(run_ours(llms[m], prompts, args.output_len, args.batch1, t))
+        if args.batch1:
+            prefill_only.append(run_ours(llms[modes[0]], prompts, 1, True, t))
         if fp32_kv is not None:
             ours_fp32_kv.append(run_ours(fp32_kv, prompts, args.output_len, args.batch1, t))
         if hf is not None:
@@ -217,8 +220,21 @@ def run_offline(args) -> int:
         extra["fp32_kv_s"] = statistics.median(ours_fp32_kv)
         extra["half_kv_vs_fp32_kv"] = extra["fp32_kv_s"] / statistics.median(ours[modes[0]])
     extra["engine"] = engine_settings(llms[modes[0]].engine.config)
+    if prefill_only:
+        extra.update(decode_split(ours[modes[0]], prefill_only, n_prompts, args.output_len))
     report(args, cfg, n_prompts, concurrency, ours[modes[0]], theirs, extra)
     return 0
+
+
+def decode_split(full: list[float], prefill_only: list[float], n_prompts: int,
+                 output_len: int) -> dict:
+    """Batch 1: the decode steps alone, as llama.cpp's peer reports them (bench/llama_cpp_peer):
+    each repeat's time less the same prompts' time with one output token (prefill and the
+    first token), over the n_prompts x (output_len - 1) decode steps; medians over repeats."""
+    decode = statistics.median(f - p for f, p in zip(full, prefill_only))
+    steps = n_prompts * (output_len - 1)
+    return {"prefill_s": statistics.median(prefill_only), "decode_s": decode,
+            "decode_tok_s": steps / decode if decode > 0 else None}
 
 
 def engine_settings(config) -> dict:
@@ -320,6 +336,9 @@ def report(args, cfg, n_prompts, concurrency, ours, theirs, extra: dict) -> None
           f"{'on' if e['enable_prefix_caching'] else 'off'}, cpu_gemm {e['cpu_gemm']}")
     if theirs:
         print(f"ratio pdserve/transformers: {res['ratio']:.2f}")
+    if res.get("decode_tok_s"):
+        print(f"batch 1, {e['weights']} weights: prefill + first token {res['prefill_s']:.2f} s, "
+              f"decode steps alone {res['decode_s']:.2f} s = {res['decode_tok_s']:.1f} tok/s")
     if "fp32_kv_s" in res:
         print(f"KV cache {res['kv_cache_dtype']}: {t_ours:.2f} s; "
               f"fp32 KV: {res['fp32_kv_s']:.2f} s; ratio {res['kv_cache_dtype']}/fp32 KV "

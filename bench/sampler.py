@@ -1,6 +1,9 @@
 """`pdserve bench sampler`: the sampler's time per decode step, the engine's batched inverse-CDF
 sampler against the sampler it replaced (a full-vocabulary exponential noise row per request,
-drawn one request at a time from each request's torch.Generator), in one run.
+drawn one request at a time from each request's torch.Generator), in one run; and the engine's
+sampler on its torch path alone (`torch ms`: before the native kernel) against the same sampler
+with the native kernel (`new ms`, sample_native; the JSON's `native` names its build, null when
+it did not load, and then both columns time the torch path).
 
 Logits are real: SmolLM2's decode-step logits for --rows random prompts (recorded from the
 engine), or `--logits synthetic` (normal, --scale) where the model is absent. Each case (plain
@@ -20,6 +23,7 @@ import time
 
 import torch
 
+from pdserve.common.engine import sample_native
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.sampler import Sampler
 from pdserve.bench.sampler_args import sampler_args
@@ -114,8 +118,11 @@ def run(args) -> int:
         logits = torch.randn(args.rows, args.vocab, generator=gen) * args.scale
     rows, vocab = logits.shape
     sampler = Sampler(vocab, tokenizer)
+    reference = Sampler(vocab, tokenizer, use_native=False)
+    native = sample_native.kernels_for(logits)
     results = {}
-    print(f"{'case':<20}{'old ms':>10}{'new ms':>10}{'old/new':>10}")
+    print(f"{'case':<20}{'old ms':>10}{'torch ms':>10}{'new ms':>10}{'old/new':>10}"
+          f"{'torch/new':>10}")
     for name, kw in CASES.items():
         reqs = [Request(f"r{i}", [1], SamplingParams(seed=i, max_tokens=8, **kw), 8)
                 for i in range(rows)]
@@ -124,18 +131,22 @@ def run(args) -> int:
         old_fn = (lambda: logits.argmax(dim=-1)) if greedy else \
             (lambda: old_sample(logits, reqs, gens))
         new_fn = lambda: sampler(logits, reqs)  # noqa: E731
-        old_fn(), new_fn()  # warm-up
-        old, new = [], []
-        for _ in range(args.reps):  # interleaved, so drift hits both alike
+        torch_fn = lambda: reference(logits, reqs)  # noqa: E731
+        old_fn(), torch_fn(), new_fn()  # warm-up
+        old, ref, new = [], [], []
+        for _ in range(args.reps):  # interleaved, so drift hits all alike
             old.append(_median_ms(old_fn, 1))
+            ref.append(_median_ms(torch_fn, 1))
             new.append(_median_ms(new_fn, 1))
-        o, n = statistics.median(old), statistics.median(new)
-        results[name] = {"old_ms": o, "new_ms": n, "ratio": o / n}
-        print(f"{name:<20}{o:>10.2f}{n:>10.2f}{o / n:>10.1f}")
+        o, t, n = statistics.median(old), statistics.median(ref), statistics.median(new)
+        results[name] = {"old_ms": o, "torch_ms": t, "new_ms": n, "ratio": o / n,
+                         "native_speedup": t / n}
+        print(f"{name:<20}{o:>10.2f}{t:>10.2f}{n:>10.2f}{o / n:>10.1f}{t / n:>10.1f}")
     if tokenizer is not None:
         results["json_schema"] = _structured_case(sampler, logits, tokenizer, args.reps)
     line = {"bench": "sampler", "rows": rows, "vocab": vocab, "logits": args.logits,
             "num_threads": args.num_threads, "reps": args.reps, "cpu": _cpu(),
+            "native": None if native is None else native.simd,
             "cases": results}
     print(json.dumps(line))
     return 0
@@ -173,7 +184,7 @@ def _structured_case(sampler, logits, tokenizer, reps: int) -> dict:
         base.append(_median_ms(lambda: sampler(logits, plain), 1))
         con.append(_median_ms(lambda: sampler(logits, reqs), 1))
     b, c = statistics.median(base), statistics.median(con)
-    print(f"{'json_schema':<20}{b:>10.2f}{c:>10.2f}{b / c:>10.1f}   (unconstrained vs "
+    print(f"{'json_schema':<20}{b:>10.2f}{'':>10}{c:>10.2f}{b / c:>10.1f}   (unconstrained vs "
           f"{len(reqs)} constrained rows)")
     return {"old_ms": b, "new_ms": c, "ratio": b / c, "note": "unconstrained vs constrained"}
 

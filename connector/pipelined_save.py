@@ -8,7 +8,7 @@ then, through the shared-memory mapping of every rank's cache
 (common/distributed/kv_share.py), and put as one step.
 
 The host class provides `_stage`, `_copy_layer`, `_save_started`, `_saves_done`,
-`_submit_save`, `_lock`, `heads` and `produces` (store_connector.py, save_io.py).
+`_submit_save`, `_lock` and `heads` (store_connector.py, save_io.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class PipelinedSaves:
         keeps its blocks (request_finished -> True) until every stage is done with them, so
         neither a later step nor a load (written from here, past the pipeline's order) can
         reuse them early."""
-        step = self._stage(batch) if self.produces else None
+        step = self._stage(batch)
         rids = list(dict.fromkeys(req.request_id for req, _, _ in batch))
         with self._lock:
             for rid in rids:
@@ -54,4 +54,5 @@ class PipelinedSaves:
             return
         for layer in range(self.heads.num_layers):
             self._copy_layer(step.views, layer, step.ids)
-        self._submit_save(step, [r for r in handle.rids if r in saving])
+        self._submit_save(step, [r for r in handle.rids if r in saving],
+                          reserved=step.reserved)

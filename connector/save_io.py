@@ -9,7 +9,7 @@ loaded 2-core VM, more than the GMAC of a 0.7 MB block at 12 GB/s), and each chu
 are computed while the objects before it are on the wire.
 
 The host class provides `store`, `segments`, `config`, `io`, `stats`, `_lock`, `_saving`,
-`_saved` and `_note_failure` (store_connector.py).
+`_saved`, `_freed`, `_budget_used` and `_note_failure` (store_connector.py).
 """
 
 from __future__ import annotations
@@ -54,16 +54,20 @@ def seal_chunks(io: IOThread, codec: BlockCodec,
 
 class SaveIO:
     def _submit_save(self, step: StagedStep, done: list[str],
-                     earlier: Optional[list[concurrent.futures.Future]] = None) -> None:
+                     earlier: Optional[list[concurrent.futures.Future]] = None,
+                     reserved: int = 0) -> None:
         """Put a staged step's blocks on the I/O thread (see _put_blocks for `earlier`);
-        `done`: one count taken in _saving each, released once the puts are over."""
+        `done`: one count taken in _saving each, released once the puts are over, as are
+        `reserved` bytes of the save budget (decode's saves)."""
         blocks = staged_blocks(self.segments, [key for _, key, _ in step.staged], step.bufs)
-        self.io.submit(self._put_blocks(blocks, done, earlier))
+        self.io.submit(self._put_blocks(blocks, done, earlier, reserved))
 
     async def _put_blocks(self, blocks: list[Block], done: list[str],
-                          earlier: Optional[list[concurrent.futures.Future]] = None) -> None:
+                          earlier: Optional[list[concurrent.futures.Future]] = None,
+                          reserved: int = 0) -> None:
         """Put blocks (key, one encoded view per segment), then mark `done` (one entry per
-        count taken in _saving) finished, whatever happened. Every earlier segment first (or
+        count taken in _saving) finished and give `reserved` budget bytes back, whatever
+        happened. Every earlier segment first (or
         `earlier`: their puts, started during the forward, one future per segment), then the
         last segment, under the block's key, of each block whose earlier segments all stored."""
         last = self.segments.count - 1
@@ -84,6 +88,7 @@ class SaveIO:
         finally:
             with self._lock:
                 self._saves_done(done)
+                self._budget_used -= reserved
 
     def _saves_done(self, rids: list[str]) -> None:
         """(Under _lock.) One save in flight fewer for each entry; a request with none left
@@ -92,6 +97,7 @@ class SaveIO:
             self._saving[rid] -= 1
             if self._saving[rid] == 0:
                 del self._saving[rid]
+                self._freed.discard(rid)
                 self._saved.add(rid)
 
     async def _put_objects(self, s: int, objs: list[tuple[bytes, memoryview]]) -> list[bool]:

@@ -27,6 +27,7 @@ class StagedStep:
     views: list[torch.Tensor]  # per segment [n, segment layers, 2, bs, kvh, d] over bufs
     bufs: list[bytearray]  # per segment: n encoded objects
     earlier: list = field(default_factory=list)  # puts of segments done during the forward
+    reserved: int = 0  # bytes of the connector's save budget these take (decode's saves)
 
 
 def payload_view(codec: BlockCodec, buf: bytearray, n: int) -> torch.Tensor:

@@ -33,14 +33,19 @@ the blocks before it as loaded, so the engine recomputes from there.
 Reuse (ConnectorConfig.reuse, on by default; docs/kv-reuse.md): a producer is a consumer too,
 so a prefill instance loads the stored prefix of a prompt (a shared system prompt, a
 conversation's history) through the same WAITING_FOR_KV path, validation and fallback ladder,
-and computes only the rest; a consumer is a producer too, so when a decode request finishes
-(or is preempted: its blocks are copied out first, then freed), its full blocks the store
-lacks (the answer, and a prompt tail it recomputed) are put under the same chained keys, and
-the next turn of the conversation is a store hit on any instance.
-Those finish-time saves read the blocks straight from the cache, which the scheduler holds
-until the save is done (so eviction cannot race it), and are bounded by `save_budget_bytes`
-of encoded blocks in flight per instance; a request whose KVTransferParams say
-`store_output=False` saves nothing.
+and computes only the rest; a consumer is a producer too, so the full blocks a decode
+request computes (the answer, and a prompt tail it recomputed) are put under the same chained
+keys, and the next turn of the conversation is a store hit on any instance.
+Decode saves a block as soon as it becomes full, through the producer's path (staged before the
+step, copied out layer by layer during it, put after it), not when the request finishes: a
+chat client sends the next turn the moment the answer ends, and a finish-time save of the
+whole answer was still in flight when that turn's lookup came (measured: turn 2 found only
+turn 1's prompt), where now at most the block that filled in the answer's last step can be.
+The copies are made during the forward, so a preemption or an eviction right after the step
+cannot race them. Bounded by `save_budget_bytes` of encoded blocks in flight per instance
+(the blocks of a step that do not fit are not saved, counted in `saves_over_budget`); a
+request whose KVTransferParams say `store_output=False` saves nothing; a cancelled request
+saves nothing more (what filled before the cancel may already be stored: it is valid KV).
 
 The partial tail block is never stored: decode recomputes it (at most block_size - 1 tokens,
 cheaper than a request-scoped object with its own lease, and it keeps every stored object
@@ -134,6 +139,7 @@ class StoreKVConnector(PipelinedSaves, SaveIO, KVConnector):
         self._started: set[str] = set()  # producer: requests whose first chunk ran
         self._store_from: dict[str, int] = {}  # request id -> first block it loaded
         self._budget_used = 0  # decode's save bytes in flight (under _lock)
+        self._freed: set[str] = set()  # preempted while a backfill was in flight (under _lock)
         self._step: Optional[StagedStep] = None
         # request id -> (num_computed_tokens it was asked for, the lookup's future)
         self._lookups: dict[str, tuple[int, concurrent.futures.Future]] = {}
@@ -147,9 +153,13 @@ class StoreKVConnector(PipelinedSaves, SaveIO, KVConnector):
         return self.config.role in ("consumer", "both") or self.config.reuse
 
     @property
-    def saves_finished(self) -> bool:
-        """A consumer that stores what its finished requests computed (decode with reuse)."""
+    def saves_output(self) -> bool:
+        """A consumer that stores the blocks it computes (decode with reuse)."""
         return self.config.role == "consumer" and self.config.reuse
+
+    def _stages(self, request) -> bool:
+        """Whether the blocks this request fills in a step are staged and put."""
+        return self.produces or self._may_save(request)
 
     # -- scheduler side --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Optional[int]:
@@ -205,54 +215,22 @@ class StoreKVConnector(PipelinedSaves, SaveIO, KVConnector):
         pending = self._lookups.pop(rid, None)
         if pending is not None:
             pending[1].cancel()
-        if self._should_save_finished(request):
-            n = min(request.num_computed_tokens // self.codec.block_size,
-                    len(request.block_hashes), len(block_ids))
-            if n:
-                with self._lock:
-                    self._save_started(rid)
-                self.io.submit(self._backfill(rid, list(request.block_hashes[:n]),
-                                              list(block_ids[:n]), budgeted=True))
         with self._lock:
             return self._saving.get(rid, 0) > 0
 
-    def _should_save_finished(self, request) -> bool:
-        return self._may_save(request) and request.status == RequestStatus.FINISHED
-
     def _may_save(self, request) -> bool:
-        return (self.saves_finished and self.config.save_budget_bytes > 0
-                and request.kv_transfer.store_output)
+        return (self.saves_output and self.config.save_budget_bytes > 0
+                and request.kv_transfer.store_output
+                and request.status != RequestStatus.CANCELLED)
 
     def request_preempted(self, request, block_ids) -> None:
-        """Copy the full blocks of a preempted decode request into staging buffers now (its
-        blocks are freed right after), then put those the store lacks."""
-        if not self._may_save(request):
-            return
-        bs, size = self.codec.block_size, self.segments.nbytes
-        n = min(request.num_computed_tokens // bs, len(request.block_hashes), len(block_ids))
-        with self._lock:  # reserve the budget here: the copy is made on this thread
-            n = min(n, (self.config.save_budget_bytes - self._budget_used) // size)
-            self._budget_used += max(n, 0) * size
-        if n <= 0:
-            return
-        views, bufs = stage(self.segments, n)
-        ids = torch.tensor(block_ids[:n], dtype=torch.long)
-        for layer in range(len(self.kv_caches)):  # every rank's heads (layout.py)
-            self._copy_layer(views, layer, ids)
-        self.io.submit(self._save_copied(list(request.block_hashes[:n]), bufs))
-
-    async def _save_copied(self, keys: list[bytes], bufs: list[bytearray]) -> None:
-        try:
-            try:
-                have = await self.store.prefix_lookup(keys)
-            except Exception as exc:
-                self._note_failure("preempted:" + type(exc).__name__)
-                have = len(keys)
-            blocks = staged_blocks(self.segments, keys, bufs)[have:]
-            await self._put_blocks(blocks, [])
-        finally:
-            with self._lock:
-                self._budget_used -= len(keys) * self.segments.nbytes
+        """Nothing to copy: every full block a request computed here was copied out in the
+        step that filled it. A backfill of its local hits still in flight must not read the
+        blocks once they are freed (right after this): it reads them under _lock, and skips
+        them from now on."""
+        with self._lock:
+            if self._saving.get(request.request_id):
+                self._freed.add(request.request_id)
 
     # -- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
@@ -262,16 +240,20 @@ class StoreKVConnector(PipelinedSaves, SaveIO, KVConnector):
         self.kv_caches, self.heads = shards[0], HeadShards(shards)
 
     def begin_step(self, batch) -> None:
-        self._step = self._stage(batch) if self.produces else None
+        self._step = self._stage(batch)
 
     def _stage(self, batch) -> Optional[StagedStep]:
         """Staging for the blocks that become full in this step (None: none); starts the
-        backfill of a request's local prefix-cache hits on its first chunk."""
+        backfill of a request's local prefix-cache hits on its first chunk. Decode's blocks
+        take from save_budget_bytes: those of a step that do not fit are not staged."""
         bs = self.codec.block_size
         staged = []  # (request id, key, block id)
         for req, n, block_ids in batch:
+            if not self._stages(req):
+                continue
             c = req.num_computed_tokens
-            if c and req.request_id not in self._started:  # first chunk after a local hit
+            if c and self.produces and req.request_id not in self._started:
+                # first chunk after a local hit (decode's own blocks were saved as they filled)
                 local = min(c // bs, self._store_from.get(req.request_id, c // bs))
                 if local:  # (blocks loaded from the store are there already)
                     self._start_backfill(req.request_id, req.block_hashes[:local],
@@ -279,11 +261,26 @@ class StoreKVConnector(PipelinedSaves, SaveIO, KVConnector):
             self._started.add(req.request_id)
             for i in range(c // bs, (c + n) // bs):
                 staged.append((req.request_id, req.block_hashes[i], block_ids[i]))
+        reserved = 0
+        if staged and not self.produces:
+            staged, reserved = self._reserve(staged)
         if not staged:
             return None
         views, bufs = stage(self.segments, len(staged))
         ids = torch.tensor([b for _, _, b in staged], dtype=torch.long)
-        return StagedStep(staged, ids, views, bufs)
+        return StagedStep(staged, ids, views, bufs, reserved=reserved)
+
+    def _reserve(self, staged: list) -> tuple[list, int]:
+        """The leading staged blocks that fit in what is left of save_budget_bytes, and the
+        bytes reserved for them (given back when their puts are done)."""
+        size = self.segments.nbytes
+        with self._lock:
+            room = max((self.config.save_budget_bytes - self._budget_used) // size, 0)
+            if room < len(staged):
+                self.stats.saves_over_budget += 1
+                staged = staged[:room]
+            self._budget_used += len(staged) * size
+        return staged, len(staged) * size
 
     def _start_backfill(self, rid: str, keys: list[bytes], block_ids: list[int]) -> None:
         with self._lock:
@@ -316,7 +313,8 @@ class StoreKVConnector(PipelinedSaves, SaveIO, KVConnector):
         with self._lock:
             for rid, _, _ in step.staged:
                 self._save_started(rid)
-        self._submit_save(step, [rid for rid, _, _ in step.staged], step.earlier)
+        self._submit_save(step, [rid for rid, _, _ in step.staged], step.earlier,
+                          step.reserved)
 
     def _save_started(self, rid: str) -> None:
         """(Under _lock.) One more save in flight for rid. A 'saved' already reported by an
@@ -346,38 +344,26 @@ class StoreKVConnector(PipelinedSaves, SaveIO, KVConnector):
         self.io.close()
 
     # -- I/O (runs on the I/O thread) ------------------------------------------------------
-    async def _backfill(self, rid: str, keys: list[bytes], block_ids: list[int],
-                        budgeted: bool = False) -> None:
-        """Store the blocks the store lacks among `keys` (a producer's local prefix-cache
-        hits, evicted there or never saved; a finished decode request's blocks): read them
-        straight from the cache, which holds them until this is done. `budgeted`: at most
-        save_budget_bytes of these saves are encoded at once (the leading blocks that fit)."""
+    async def _backfill(self, rid: str, keys: list[bytes], block_ids: list[int]) -> None:
+        """Store the blocks the store lacks among a producer's local prefix-cache hits
+        (evicted there or never saved), read straight from the cache: the scheduler holds
+        them until this is done, unless the request is preempted (request_preempted)."""
         try:
             have = await self.store.prefix_lookup(keys)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - store unreachable: nothing to backfill
             self._note_failure("backfill:" + type(exc).__name__)
             have = len(keys)
-        todo = list(zip(keys[have:], block_ids[have:]))
-        reserved = 0
-        if budgeted and todo:
-            with self._lock:
-                room = (self.config.save_budget_bytes - self._budget_used) // self.segments.nbytes
-                if room < len(todo):
-                    self.stats.saves_over_budget += 1
-                    todo = todo[:max(room, 0)]
-                reserved = len(todo) * self.segments.nbytes
-                self._budget_used += reserved
+        blocks = []
         try:
-            blocks = []
-            try:
-                for key, block_id in todo:
-                    blocks.append((key, self._encode_payloads(self.heads.read_block(block_id))))
-            except Exception as exc:  # noqa: BLE001 - save what was encoded; never leak
-                self._note_failure("backfill:" + type(exc).__name__)
-            await self._put_blocks(blocks, [rid])  # one count for the whole backfill
-        finally:
-            with self._lock:
-                self._budget_used -= reserved
+            with self._lock:  # (a preemption frees the blocks only after taking _lock)
+                if rid not in self._freed:
+                    for key, block_id in zip(keys[have:], block_ids[have:]):
+                        blocks.append((key, self._encode_payloads(
+                            self.heads.read_block(block_id))))
+                self._freed.discard(rid)
+        except Exception as exc:  # noqa: BLE001 - save what was encoded; never leak
+            self._note_failure("backfill:" + type(exc).__name__)
+        await self._put_blocks(blocks, [rid])
 
     def _encode_payloads(self, block: torch.Tensor) -> list[memoryview]:
         """block [L, 2, bs, kvh, d] -> one encoded object per segment, headers left blank."""

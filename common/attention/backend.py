@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -64,6 +64,13 @@ class AttentionBackend(abc.ABC):
         apart. qkv [T, (heads + 2 kv_heads) * head_dim]. Returns [T, heads, head_dim], or None
         when this backend cannot (then the model does the three steps itself, and nothing was
         written)."""
+        return None
+
+    def fused_step(self, meta: AttentionMetadata, kv_cache: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> Optional[Callable[..., torch.Tensor]]:
+        """`fused_forward` for every layer of one fp32 step, its per-step checks done once:
+        `attend(qkv, kv_cache, scale, num_heads)` -> [T, heads, head_dim] (each layer's cache
+        laid out and typed like `kv_cache`), or None where fused_forward would return None."""
         return None
 
 

@@ -133,6 +133,24 @@ class TorchAttentionBackend(AttentionBackend):
                                      meta.query_start_loc, meta.num_decodes, float(scale),
                                      num_heads)
 
+    def fused_step(self, meta, kv_cache, cos, sin):
+        """attention_step with this step's metadata bound (checked once, not per layer)."""
+        if meta.num_tokens == 0:
+            return None
+        native = _native_module(cos, kv_cache, meta)  # cos: fp32 CPU like the fp32 qkv
+        if (native is None or meta.slot_mapping.dtype != torch.int64
+                or meta.query_start_loc.dtype != torch.int32
+                or (meta.num_decodes < meta.num_reqs and not native.fast_prefill)):
+            return None
+        t = meta.num_tokens
+        cos, sin = cos.reshape(t, -1), sin.reshape(t, -1)
+        args = (meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                meta.num_decodes)
+
+        def attend(qkv, cache, scale, num_heads):
+            return native.attention_step(qkv, cos, sin, cache, *args, float(scale), num_heads)
+        return attend
+
     def forward(self, query, key, value, kv_cache, meta, scale):
         out = torch.empty_like(query)
         n_dec = meta.num_decodes

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from pdserve.common.engine import sample_ops
+from pdserve.common.engine import sample_native, sample_ops
 from pdserve.common.engine.grammar import GrammarBackend, GrammarState
 from pdserve.common.random_stream import stream_key, uniform
 from pdserve.common.engine.request import Request
@@ -33,9 +33,12 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, tokenizer=None):
-        """`tokenizer`: the engine's Tokenizer, needed only by structured outputs."""
+    def __init__(self, vocab_size: int, tokenizer=None, use_native: bool = True):
+        """`tokenizer`: the engine's Tokenizer, needed only by structured outputs.
+        `use_native`: False keeps the torch path even where the native kernel runs (the
+        reference, for tests and `pdserve bench sampler`)."""
         self.vocab_size = vocab_size
+        self.use_native = use_native
         self._tokenizer = tokenizer
         self._grammar: Optional[GrammarBackend] = None  # built on the first constrained request
         # one grammar state per live request; it goes with the request object
@@ -70,10 +73,10 @@ class Sampler:
         if not rows:
             tokens = sample_ops.argmax(logits)
         elif len(rows) == len(reqs):
-            tokens = _sample(logits, reqs)
+            tokens = _sample(logits, reqs, self.use_native)
         else:
             tokens = sample_ops.argmax(logits)  # greedy rows; the random ones are overwritten
-            tokens[rows] = _sample(logits[rows], [reqs[i] for i in rows])
+            tokens[rows] = _sample(logits[rows], [reqs[i] for i in rows], self.use_native)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, _logprobs(raw, reqs, token_list))
 
@@ -100,28 +103,29 @@ class Sampler:
         return logits
 
 
-def _sample(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    """Random rows: logits [n, V] -> token ids [n]."""
+def _sample(logits: torch.Tensor, reqs: list[Request], use_native: bool) -> torch.Tensor:
+    """Random rows: logits [n, V] -> token ids [n]. Rows without top-k / top-p take the fused
+    native kernel (sample_native.sample_plain) where it runs."""
     n, v = logits.shape
     params = [r.params for r in reqs]
     u = torch.tensor([uniform(stream_key(r.seed), r.num_output_tokens) for r in reqs],
                      dtype=torch.float64)  # [n]
     inv_temp = torch.tensor([1.0 / p.temperature for p in params]).unsqueeze(1)  # [n, 1]
-    w = sample_ops.weights(logits, inv_temp)  # [n, V]
     min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)  # [n, 1]
     top_k = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in params])  # [n]
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)  # [n]
     filtered = (top_k < v) | (top_p < 1)
     if not bool(filtered.any()):
-        if bool((min_p > 0).any()):
-            sample_ops.min_p_(w, min_p)
-        return sample_ops.sample_rows(w, u)
+        return sample_native.sample_plain(logits, inv_temp, min_p, u, use_native)
     if bool(filtered.all()):
+        w = sample_native.weights(logits, inv_temp, use_native)  # [n, V]
         return sample_ops.sample_filtered(w, top_k, top_p, min_p, u)
     tokens = torch.empty(n, dtype=torch.long)
     f, plain = filtered.nonzero().squeeze(1), (~filtered).nonzero().squeeze(1)
-    tokens[f] = sample_ops.sample_filtered(w[f], top_k[f], top_p[f], min_p[f], u[f])
-    tokens[plain] = sample_ops.sample_rows(sample_ops.min_p_(w[plain], min_p[plain]), u[plain])
+    w = sample_native.weights(logits[f], inv_temp[f], use_native)  # [len(f), V]
+    tokens[f] = sample_ops.sample_filtered(w, top_k[f], top_p[f], min_p[f], u[f])
+    tokens[plain] = sample_native.sample_plain(logits[plain], inv_temp[plain], min_p[plain],
+                                               u[plain], use_native)
     return tokens
 
 

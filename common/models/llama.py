@@ -19,7 +19,10 @@ from pdserve.common.distributed.layout import (SINGLE, WHOLE_MODEL, PipelineStag
                                               kv_head_range)
 from pdserve.common.models.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                           RowParallelLinear)
+from pdserve.common.models.packed_layer import PackedLayer, PackedLinear
+from pdserve.common.models.quant.cpu_native import load_packed_kernels
 from pdserve.common.models.quant.embedding import PackedEmbedding
+from pdserve.common.models.quant.gemm import large_m
 from pdserve.common.models.quant.packed import PackedWeight
 from pdserve.common.models.rope import RotaryEmbedding
 from pdserve.common.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -101,6 +104,19 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta, residual=x)
         return self.mlp(self.post_attention_layernorm(h), residual=h)
 
+    def packed(self) -> Optional[PackedLayer]:
+        """This layer as native calls (packed_layer.py) when all four linears kept their GGUF
+        blocks (one rank: tp_size 1 keeps them packed) and the norms are fp32; else None."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if (any(m.packed_weight is None for m in linears)
+                or self.input_layernorm.weight.dtype != torch.float32):
+            return None
+        pl = [PackedLinear.of(m.packed_weight, m.bias) for m in linears]
+        return PackedLayer(self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                           self.input_layernorm.eps, *pl, num_heads=attn.num_heads,
+                           q_size=attn.num_heads * attn.head_dim, scale=attn.scale)
+
 
 # HF parameter name fragment -> (our fused parameter, shard id)
 _STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"),
@@ -137,6 +153,10 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight = self.embed_tokens.weight
         # a later stage of a tied model reads the embedding's weight as its LM head
         self._head_from_embedding = cfg.tie_word_embeddings and pp.is_last and not pp.is_first
+        # use_cpu_kernels: this stage's layers as native calls (packed_layer.py), their kernels
+        self._packed_layers: Optional[list[PackedLayer]] = None
+        self._packed_gemm = None
+        self._rms_norm = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata,
@@ -152,18 +172,40 @@ class LlamaForCausalLM(nn.Module):
         else:
             x = hidden_in
         cos_sin = self.rope.cos_sin(positions)
+        attend = self._packed_attend(x, kv_caches, meta, cos_sin)
         for i, kv_cache in zip(self.layer_range, kv_caches):
-            x = self.layers[i](cos_sin, x, kv_cache, meta)
+            if attend is not None:  # the same kernels as the modules, called directly
+                x = self._packed_layers[i - self.layer_range.start].forward(
+                    self._packed_gemm, self._rms_norm, attend, x, kv_cache)
+            else:
+                x = self.layers[i](cos_sin, x, kv_cache, meta)
             if layer_done is not None:
                 layer_done(i, kv_cache)
         return self.norm(x) if self.pp.is_last else x
 
+    def _packed_attend(self, x, kv_caches, meta, cos_sin):
+        """The attention step of the packed-layer path (packed_layer.py) when this step takes
+        it, else None: every layer packed, fp32 CPU activations, and fewer rows than the packed
+        kernel's switch point (from there on the modules expand + oneDNN), fused attention."""
+        if (self._packed_layers is None or x.dtype != torch.float32 or x.device.type != "cpu"
+                or x.shape[0] >= large_m(self._packed_gemm.simd) or not kv_caches):
+            return None
+        return self.layers[self.layer_range.start].self_attn.backend.fused_step(
+            meta, kv_caches[0], *cos_sin)
+
     def use_cpu_kernels(self, native) -> None:
         """Run the RMSNorms through the native CPU kernels (common/attention/cpu_native.py):
-        one pass per row instead of torch's five ops. For an fp32 model on the CPU only."""
+        one pass per row instead of torch's five ops. For an fp32 model on the CPU only.
+        Where every layer of this stage is packed and the packed kernels built, small steps
+        run each layer as native calls (DecoderLayer.packed)."""
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.native = native
+        gemm = load_packed_kernels()
+        layers = [self.layers[i].packed() for i in self.layer_range]
+        if gemm is not None and layers and all(p is not None for p in layers):
+            self._packed_layers, self._packed_gemm = layers, gemm
+            self._rms_norm = native.rms_norm
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """hidden [N, hidden] -> logits [N, vocab] (fp32) on rank 0; None on other ranks."""

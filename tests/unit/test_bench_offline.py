@@ -41,3 +41,13 @@ def test_bench_offline_tiny_prints_one_json_line_with_ratios():
     assert res["pdserve_s"] == by["packed"]["s"]
     assert by["packed"]["weights_resident_mib"] == by["fp32"]["weights_resident_mib"] > 0
     assert by["packed"]["kv_blocks_for_budget"] == by["fp32"]["kv_blocks_for_budget"] > 0
+
+
+def test_batch1_decode_split_subtracts_each_repeats_prefill():
+    """--batch1's decode steps alone: per repeat, the full time less the one-token time, then
+    the median (not the difference of the medians), over prompts x (output_len - 1) steps."""
+    from pdserve.bench.offline import decode_split
+    res = decode_split([10.0, 12.0, 11.0], [2.0, 5.0, 2.5], n_prompts=4, output_len=128)
+    assert res["decode_s"] == 8.0  # median of 8.0, 7.0, 8.5
+    assert res["prefill_s"] == 2.5
+    assert res["decode_tok_s"] == 4 * 127 / 8.0

@@ -171,6 +171,24 @@ def test_multiturn_breaks_later_turns_ttft_down():
     assert _later_breakdown([TurnResult(0, 2, 1.0, 100, {})]) == {}
 
 
+def test_multiturn_repeats_report_medians_and_keep_each_run():
+    from pdserve.bench.multiturn import summarize_runs
+
+    def run(later_p50, queue, tokens):
+        return {"ttft_first_turn_mean_s": 2.0, "ttft_later_mean_s": later_p50,
+                "ttft_later_p50_s": later_p50, "ttft_later_p99_s": later_p50 * 2,
+                "store_token_share": 0.5, "wall_s": 10.0, "prompt_tokens": tokens,
+                "later_breakdown_p50_s": {"prefill_queue_s": queue, "rest_s": 0.1}}
+    runs = [run(1.0, 0.3, 900), run(3.0, 0.1, 1000), run(2.0, 0.2, 950)]
+    got = summarize_runs(runs)
+    assert got["ttft_later_p50_s"] == 2.0 and got["ttft_later_p99_s"] == 4.0
+    assert got["prompt_tokens"] == 950
+    assert got["later_breakdown_p50_s"] == {"prefill_queue_s": 0.2, "rest_s": 0.1}
+    assert got["runs"] == runs
+    runs[2]["later_breakdown_p50_s"] = {}  # a part one run lacks is left out
+    assert summarize_runs(runs)["later_breakdown_p50_s"] == {}
+
+
 def test_layer_segments_flag_reaches_the_connector():
     from pdserve.connector.store_connector import ConnectorConfig
     from pdserve.cli import build_parser

@@ -128,26 +128,50 @@ def test_opted_out_request_saves_nothing(tiny):
     d.close()
 
 
-@pytest.mark.parametrize("failure", ["down", "evicted"])
-def test_store_failure_during_a_prefill_load_recomputes(tiny, failure):
+# failure -> blocks of the 3 stored that load before it (None: the lookup itself failed)
+LOAD_FAILURES = {"lookup_down": None, "down": 0, "first_evicted": 0, "middle_evicted": 1,
+                 "last_corrupt": 2, "timeout": 0}
+
+
+@pytest.mark.parametrize("failure", sorted(LOAD_FAILURES))
+def test_store_failure_at_any_point_of_a_prefill_load_recomputes(tiny, failure):
+    """The store fails at each point of a prefill's load of a 3-block stored prefix: the
+    blocks before the failure are used, the rest recomputed, the token is unchanged."""
     store = InMemoryBlockStore()
     run(engine(tiny, store, "producer"), [("a", TURN1, FIRST, None, None)])
-    p = engine(tiny, store, "producer")
+    p = engine(tiny, store, "producer", load_timeout_s=0.2)
     lookup = store.prefix_lookup
 
     async def then_fail(keys):  # the lookup answers; the load that follows fails
+        if failure == "lookup_down":
+            raise ConnectionError("store is down")
         n = await lookup(keys)
         if failure == "down":
             store.down = True
-        else:
-            store.objects.pop(keys[1])
+        elif failure.endswith("evicted"):
+            store.objects.pop(keys[0 if failure == "first_evicted" else 1])
+        elif failure == "last_corrupt":
+            data = bytearray(store.objects[keys[2]])
+            data[-1] ^= 0x40  # one payload bit: the block's MAC no longer matches
+            store.objects[keys[2]] = bytes(data)
+        elif failure == "timeout":
+            store.delay_s = 1.0
+        store.prefix_lookup = lookup
         return n
     store.prefix_lookup = then_fail
     first = run(p, [("p", TURN1 + QUESTION, FIRST, None, None)])["p"]
+    store.down, store.delay_s = False, 0.0
     assert first == reference(tiny, TURN1 + QUESTION)[:1]
-    assert p.connector.stats.load_failures == 1
-    assert p.connector.stats.blocks_loaded == (0 if failure == "down" else 1)
-    assert p.scheduler.num_load_failures == 1
+    loaded = LOAD_FAILURES[failure]
+    stats = p.connector.stats
+    if loaded is None:
+        assert stats.lookup_failures == 1 and stats.load_failures == 0
+        assert stats.blocks_loaded == 0
+    else:
+        assert stats.load_failures == 1 and stats.blocks_loaded == loaded
+        assert p.scheduler.num_load_failures == 1
+    if failure == "last_corrupt":
+        assert stats.failure_reasons.get("codec") == 1
     idle(p)
     p.close()
 
@@ -158,17 +182,9 @@ def test_decode_saves_racing_eviction_and_preemption(tiny):
     store = InMemoryBlockStore()
     prompts = [TURN1, list(range(60, 109)), list(range(110, 159))]
     d = engine(tiny, store, "consumer", num_blocks=14)  # cannot hold all three answers
-    copied = []
-    save_copied = d.connector._save_copied
-
-    def spy(keys, buf):
-        copied.append(keys)
-        return save_copied(keys, buf)
-    d.connector._save_copied = spy
     store.delay_s = 0.05
     got = run(d, [(f"r{i}", p, GREEDY, None, None) for i, p in enumerate(prompts)])
     assert d.scheduler.num_preemptions > 0
-    assert copied and all(k in store.objects for keys in copied for k in keys)
     store.delay_s = 0.0
     idle(d)
     d.close()
@@ -182,18 +198,46 @@ def test_decode_saves_racing_eviction_and_preemption(tiny):
         fresh.close()
 
 
+def test_decode_saves_a_block_as_soon_as_it_fills(tiny):
+    """A chat client sends the next turn the moment an answer ends: the answer's blocks must
+    not wait for the request to finish. Here the engine stops stepping mid-answer, and the
+    blocks that filled so far reach the store anyway."""
+    store = InMemoryBlockStore()
+    d = engine(tiny, store, "consumer")
+    long = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    d.add_request("r", TURN1, long)
+    req = d.scheduler.requests["r"]
+    while req.num_computed_tokens < 4 * BS + 2:  # the prompt's 3 blocks and one answer block
+        d.step()
+    assert d.has_unfinished_requests()
+    want = req.block_hashes[:4]
+    deadline = time.monotonic() + 10
+    while not all(k in store.objects for k in want):
+        assert time.monotonic() < deadline, "the filled blocks were not saved mid-answer"
+        time.sleep(0.01)
+    d.abort_request("r")
+    while d.has_unfinished_requests():
+        d.step()
+    saved = d.connector.stats.blocks_saved
+    assert saved >= 4  # the cancel saves nothing more, but what filled before it stays
+    idle(d)
+    d.close()
+
+
 def test_no_leak_after_cancel_failed_save_or_budget(tiny):
     store = InMemoryBlockStore()
     _, _, d = disagg(tiny, store, TURN1)
     d.close()
     d = engine(tiny, store, "consumer", save_budget_bytes=1)  # not one block fits
     run(d, [("b", TURN1 + QUESTION, GREEDY, None, None)])
-    assert d.connector.stats.saves_over_budget == 1 and d.connector.stats.blocks_saved == 0
+    # over budget in the step that computed the prompt's 4 blocks and the one the answer filled
+    assert d.connector.stats.saves_over_budget == 2 and d.connector.stats.blocks_saved == 0
     idle(d)
     d.close()
     d = engine(tiny, store, "consumer")
-    run(d, [("c", TURN1 + QUESTION, GREEDY, None, None)], abort_after="c")
-    assert d.connector.stats.blocks_saved == 0  # a cancelled request saves nothing
+    run(d, [("c", list(range(150, 200)), GREEDY, None, None)], abort_after="c")
+    # a cancelled request saves nothing more: only the prompt's 3 blocks, filled before it
+    assert d.connector.stats.blocks_saved == 3
     idle(d)
     put = store.put
 

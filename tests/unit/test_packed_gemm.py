@@ -19,7 +19,10 @@ from pdserve.tests.unit.packed_helpers import LARGE_M, make_weight, reference, t
 
 torch.set_num_threads(2)
 QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q8_0]
-SHAPES = [(1, 1, 32), (1, 7, 64), (3, 33, 96), (5, 64, 576), (17, 130, 320), (40, 1100, 64)]
+# M < 4: blocks expanded per row (Q4_0 / Q4_1 by table lookup on AVX-512, the scales of a row
+# widened 16 at a time: K = 576 and 1536 cover partial and whole groups of 16 blocks)
+SHAPES = [(1, 1, 32), (1, 7, 64), (3, 33, 96), (2, 9, 576), (1, 40, 1536), (5, 64, 576),
+          (17, 130, 320), (40, 1100, 64)]
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
@@ -77,16 +80,24 @@ def test_dispatch_both_sides_of_the_switch(monkeypatch, qtype, m, tile):
                                reference(x, ref, bias, residual), **tol(96))
 
 
-@pytest.mark.parametrize("m", [3, LARGE_M])
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 3, 5, LARGE_M])
 @pytest.mark.parametrize("bias", [False, True])
-def test_silu_and_mul_matches_fp32(m, bias):
-    """gate/up's fused SiLU-and-mul (oneDNN post-ops on the expanded weight at large M)."""
-    w, ref = make_weight(QType.Q4_1, 2 * 40, 96)
+def test_silu_and_mul_matches_fp32(qtype, m, bias):
+    """gate/up's fused SiLU-and-mul: in the packed kernel below the switch (rows expanded per
+    row at M < 4, panels from 4), oneDNN post-ops on the expanded weight at large M."""
+    w, ref = make_weight(qtype, 2 * 40, 96)
     g = torch.Generator().manual_seed(m)
     x, b = torch.randn(m, 96, generator=g), torch.randn(80, generator=g) if bias else None
     gate, up = reference(x, ref, b).split(40, dim=-1)
     torch.testing.assert_close(gemm.packed_silu_and_mul(x, w, b),
                                torch.nn.functional.silu(gate) * up, **tol(96))
+
+
+def test_silu_and_mul_needs_gate_and_up_halves():
+    w, _ = make_weight(QType.Q4_1, 39, 64)
+    with pytest.raises(ValueError, match="even number of rows"):
+        load_packed_kernels().packed_gemm_silu_mul(torch.randn(1, 64), w.data, 3)
 
 
 def test_torch_fallback_without_native(monkeypatch):

@@ -19,6 +19,8 @@ def test_bench_sampler_prints_every_case_and_one_json_line(capsys):
     assert (res["rows"], res["vocab"]) == (4, 700) and set(res["cases"]) == set(CASES)
     for case in res["cases"].values():
         assert case["old_ms"] > 0 and case["ratio"] == case["old_ms"] / case["new_ms"]
+        assert case["native_speedup"] == case["torch_ms"] / case["new_ms"]
+    assert res["native"] in ("avx512", "avx2", "scalar")
     torch.set_num_threads(1)
 
 

@@ -27,6 +27,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_heads"));
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)", release(), py::arg("x"),
         py::arg("weight"), py::arg("eps"));
+  m.def("sample_weights", &sample_weights,
+        "Sampling weights exp((x - max) * inv_temp), clamped and flushed (CPU, fp32)", release(),
+        py::arg("logits"), py::arg("inv_temp"), py::arg("floor"), py::arg("flush"));
+  m.def("sample_rows", &sample_rows,
+        "Fused temperature + min-p inverse-CDF sampling of each row (CPU, fp32)", release(),
+        py::arg("logits"), py::arg("inv_temp"), py::arg("min_p"), py::arg("u"),
+        py::arg("floor"), py::arg("flush"));
 #if defined(__AVX512F__)
   m.attr("simd") = "avx512";
 #elif defined(__AVX2__) && defined(__FMA__)

@@ -172,3 +172,10 @@ at::Tensor attention_step(const at::Tensor& qkv, const at::Tensor& cos, const at
                           const at::Tensor& query_start_loc, int64_t num_decodes, double scale,
                           int64_t num_heads);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+
+// sampling.cpp
+at::Tensor sample_weights(const at::Tensor& logits, const at::Tensor& inv_temp, double floor,
+                          double flush);
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& inv_temp,
+                       const at::Tensor& min_p, const at::Tensor& u, double floor,
+                       double flush);

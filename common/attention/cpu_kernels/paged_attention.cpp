@@ -381,8 +381,11 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
   }
   if (num_reqs == 0) return out;
 
-  // below this many (token, kv head) rows a decode runs on one thread (~3 MiB of fp32 KV)
-  constexpr int64_t kSerialKvRows = 8192;
+  // below this many (token, kv head) rows a decode runs on one thread (~256 KiB of fp32 KV at
+  // head_dim 64, ~20 us). Batch 1 reads its whole context's KV from L3 or DRAM every layer
+  // (SmolLM2 at 300 tokens: 900 rows, 460 KB), bound by one core's bandwidth when serial: with
+  // 8192 here its attention took 1.6 ms of a 10 ms step on 2 threads.
+  constexpr int64_t kSerialKvRows = 512;
   const int64_t width = tables.size(1);
   pdserve_kernels::check_metadata(tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), num_reqs,
                                   width, bs, num_blocks);

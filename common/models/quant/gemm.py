@@ -93,11 +93,15 @@ def _expand_then_gemm(native, x, w: PackedWeight, bias, residual) -> torch.Tenso
 def packed_silu_and_mul(x: torch.Tensor, w: PackedWeight,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] -> silu(x Wg^T + bg) * (x Wu^T + bu) [M, N / 2] for W = [gate; up] [N, K].
-    On the large-M CPU path with oneDNN and a weight that fits EXPAND_BYTES, SiLU and the
+    Below the switch point the native kernel computes the SiLU and the product as it stores
+    (`packed_gemm_silu_mul`: one call, no [M, N] tensor to split). On the large-M CPU path with oneDNN and a weight that fits EXPAND_BYTES, SiLU and the
     product run as post-ops of the two GEMMs on the one expanded weight, as the fp32 path's
     MergedColumnParallelLinear does (no [M, N] round trip)."""
     half = w.out_features // 2
     native = load_packed_kernels() if x.device.type == "cpu" else None
+    if (native is not None and x.dtype == torch.float32 and x.dim() == 2
+            and x.shape[0] < large_m(native.simd)):  # the packed kernel, SiLU fused in it
+        return native.packed_gemm_silu_mul(x, w.data, int(w.qtype), bias)
     if (native is not None and x.dtype == torch.float32 and x.dim() == 2
             and x.shape[0] >= large_m(native.simd) and onednn_available()
             and w.out_features <= _tile_rows(w.in_features)):

@@ -54,19 +54,65 @@ async def within(work: Awaitable[T], deadline: Optional[float]) -> T:
 
 
 async def iterate_within(items: AsyncIterator[T], deadline: Optional[float]) -> AsyncIterator[T]:
-    """`items`, each awaited with what is left of the deadline."""
+    """`items` until the deadline, then APIError 504. One timer for the whole iteration (a
+    timer per item cost ~13 us, once per streamed token): past the deadline it cancels this
+    task if it is waiting for the next item, else the next wait ends at once (the consumer's
+    own awaits between items, a socket send say, are never interrupted)."""
+    if deadline is None:
+        async for item in items:
+            yield item
+        return
+    if sys.version_info < (3, 11):  # no Task.uncancel: a timer per item
+        async for item in _iterate_each_within(items, deadline):
+            yield item
+        return
+    watch = _Watch(asyncio.current_task())
+    loop = asyncio.get_running_loop()
+    timer = loop.call_at(loop.time() + (deadline - time.monotonic()), watch.expire)
     it = items.__aiter__()
-    while True:
-        if deadline is None:
+    try:
+        while not watch.expired:
+            watch.waiting = True
             try:
                 item = await it.__anext__()
             except StopAsyncIteration:
                 return
-        else:
-            try:
-                item = await await_until(it.__anext__(), deadline)
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:
-                raise exceeded() from None
+            except asyncio.CancelledError:
+                if watch.cancelled and watch.task.uncancel() == 0:  # ours alone
+                    raise exceeded() from None
+                raise
+            finally:
+                watch.waiting = False
+            yield item
+        raise exceeded()
+    finally:
+        timer.cancel()
+
+
+class _Watch:
+    """What the deadline's one timer needs: the consuming task, and whether it waits for an
+    item (only then is it cancelled)."""
+
+    def __init__(self, task: asyncio.Task):
+        self.task = task
+        self.waiting = False
+        self.expired = False
+        self.cancelled = False  # this watch cancelled the task (to tell it from others)
+
+    def expire(self) -> None:
+        self.expired = True
+        if self.waiting:
+            self.cancelled = True
+            self.task.cancel()
+
+
+async def _iterate_each_within(items: AsyncIterator[T], deadline: float) -> AsyncIterator[T]:
+    it = items.__aiter__()
+    while True:
+        try:
+            item = await await_until(it.__anext__(), deadline)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise exceeded() from None
         yield item

@@ -38,16 +38,21 @@ class ClientGone(Exception):
 
 
 class _RunResponse(StreamingResponse):
-    """Closes its JobRun however the response ends, even if the stream never started."""
+    """Closes its JobRun however the response ends, even if the stream never started, and
+    counts the request in flight while it streams (here rather than in one more async
+    generator around the stream, which every token would pass through)."""
 
-    def __init__(self, run: JobRun, content, **kw):
+    def __init__(self, run: JobRun, content, state: RouterState, **kw):
         super().__init__(content, **kw)
         self._run = run
+        self._state = state
 
     async def __call__(self, scope, receive, send):
+        self._state.metrics.in_flight.inc()
         try:
             await super().__call__(scope, receive, send)
         finally:
+            self._state.metrics.in_flight.dec()
             self._run.close()
 
 
@@ -140,7 +145,7 @@ async def _generate(request: Request, state: RouterState, endpoint: str, body_ty
                         include_usage)
         form = form_type.create(meta, state.text_of, body, state.tokenizer)
         if body.stream:
-            response = _RunResponse(run, _counted(stream_events(run, form, deadline), state),
+            response = _RunResponse(run, stream_events(run, form, deadline), state,
                                     media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache"})
         else:
@@ -219,17 +224,8 @@ async def _disconnected(request: Request) -> None:
 
 
 def _counted(work, state: RouterState):
-    """Counts the request in flight while `work` (an async generator or coroutine) runs."""
-    if hasattr(work, "__anext__"):
-        async def gen():
-            state.metrics.in_flight.inc()
-            try:
-                async for item in work:
-                    yield item
-            finally:
-                state.metrics.in_flight.dec()
-        return gen()
-
+    """Counts the request in flight while the coroutine `work` runs (a streamed answer is
+    counted by _RunResponse)."""
     async def coro():
         state.metrics.in_flight.inc()
         try:

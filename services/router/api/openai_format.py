@@ -14,6 +14,24 @@ def sse(obj: dict) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
+TEXT_MARK = "__pdserve_text__"  # stands for a chunk's text while its template is made
+_ENCODED_MARK = json.dumps(TEXT_MARK)
+
+
+def sse_template(chunk_with_mark: dict) -> Optional[tuple[str, str]]:
+    """(before, after): sse(chunk) with TEXT_MARK as its text is before + json(TEXT_MARK) +
+    after, so a chunk with another text is before + json_str(text) + after, byte for byte
+    what sse() makes, with one string encoded per token instead of the whole dict. None if
+    the mark is not there exactly once (a model named like it, say)."""
+    parts = sse(chunk_with_mark).split(_ENCODED_MARK)
+    return (parts[0], parts[1]) if len(parts) == 2 else None
+
+
+def json_str(text: str) -> str:
+    """text as sse() encodes a string inside a chunk."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,

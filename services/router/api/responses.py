@@ -42,6 +42,19 @@ class CompletionFormat:
         answers prompt i // n)."""
         self.meta, self.text_of = meta, text_of
         self._echo, self._n = echo, n
+        self._templates: dict[int, Optional[tuple[str, str]]] = {}  # choice -> text_event's
+
+    def text_event(self, index: int, text: str) -> Optional[str]:
+        """fmt.sse(self.chunk(index, text, None, None)) for a delta of text alone (no
+        logprobs, not the last), from a template made once per choice: only the text is
+        JSON-encoded per token. None: this format cannot (use chunk())."""
+        if index not in self._templates:
+            self._templates[index] = self._template(index)
+        t = self._templates[index]
+        return None if t is None else t[0] + fmt.json_str(text) + t[1]
+
+    def _template(self, index: int) -> Optional[tuple[str, str]]:
+        return fmt.sse_template(self.chunk(index, fmt.TEXT_MARK, None, None))
 
     @classmethod
     def create(cls, meta: ResponseMeta, text_of: fmt.TokenText, body, tokenizer):
@@ -93,6 +106,11 @@ class ChatFormat(CompletionFormat):
     @classmethod
     def create(cls, meta: ResponseMeta, text_of: fmt.TokenText, body, tokenizer):
         return cls(meta, text_of, tool_plan(body, tokenizer.chat_template))
+
+    def _template(self, index: int) -> Optional[tuple[str, str]]:
+        if self._tool is not None:  # tool calls reshape the deltas
+            return None
+        return super()._template(index)
 
     def opening(self, index: int) -> list[dict]:
         m = self.meta
@@ -176,10 +194,17 @@ async def stream_events(run: JobRun, form: CompletionFormat, deadline: Optional[
         for c in run.job.choices:
             for chunk in form.opening(c.index):
                 yield fmt.sse(chunk)
+        plain = not form.meta.logprobs  # text deltas can take form.text_event
         async for index, delta in iterate_within(run.deltas(), deadline):
             usage.add(delta)
-            if not delta.text and not delta.token_ids and delta.finish_reason is None:
-                continue
+            if delta.finish_reason is None:
+                if not delta.text and not delta.token_ids:
+                    continue
+                if plain:
+                    event = form.text_event(index, delta.text)
+                    if event is not None:
+                        yield event
+                        continue
             lps = form.logprobs(delta, offsets[index])
             offsets[index] += len(delta.text)
             chunk = form.chunk(index, delta.text, lps, delta.finish_reason)

@@ -409,8 +409,108 @@ inline void dot_tile(const Gemm& g, int64_t n, int64_t m0) {
 }
 
 
+#if defined(__AVX512F__)
+// Q4_0 / Q4_1 at few activation rows (decode, AVX-512) by table lookup. A block's 16 possible
+// weights are one vector, table[q] = fma(d, q, m) (Q4_1) or d * (q - 8) (Q4_0): the values
+// expand() computes per element, bit for bit. Each weight is then one lane of a vpermps (which
+// reads only the low 4 bits of each index lane, so the widened bytes index the low nibbles
+// unmasked): 1 widening, 1 shift, 2 permutes and 1 FMA per 32 weights, where converting the
+// nibbles to floats took ~3x the uops.
+//
+// The fp16 scales (and mins) of a weight row are widened 16 per conversion into an fp32 buffer,
+// which the blocks then read as broadcast memory operands (load ports, no shuffles). They are
+// copied out of the blocks one row ahead: a vector load right after the scalar stores that
+// filled it would wait for them (no store forwarding from several narrow stores to one load).
+template <int64_t QT>
+struct Q4Scales {
+  static constexpr int S = QT == kQ4_1 ? 2 : 1;  // fp16 values per block header: d (and m)
+  int64_t nb, nh;  // blocks per row, halves per row rounded up to whole vectors
+  std::vector<uint16_t> h;  // two rows of raw halves: the next row's, the current one's
+  std::vector<float> f;     // the current row's, widened
+  explicit Q4Scales(int64_t K)
+      : nb(K / QK), nh((K / QK * S + 15) / 16 * 16), h(2 * nh, 0), f(nh) {}
+  void copy(const Gemm& g, int64_t n, int slot) {
+    const uint8_t* wr = g.w + n * g.row_bytes;
+    uint16_t* dst = h.data() + slot * nh;
+    for (int64_t i = 0; i < nb; ++i) std::memcpy(dst + S * i, wr + i * block_bytes(QT), 2 * S);
+  }
+  void widen(int slot) {
+    const uint16_t* src = h.data() + slot * nh;
+    for (int64_t j = 0; j < nh; j += 16)
+      _mm512_storeu_ps(f.data() + j, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                         reinterpret_cast<const __m256i*>(src + j))));
+  }
+};
+
+// Rows m0 .. m0 + R of output column n, the row's scales widened in `f`. Two blocks per
+// iteration into separate accumulators, so consecutive blocks' FMA chains overlap.
+template <int64_t QT, int R>
+inline void dot_q4_lut(const Gemm& g, const float* f, int64_t n, int64_t m0) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 lut_q = QT == kQ4_1 ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(8.f));
+  constexpr int S = Q4Scales<QT>::S;
+  vec acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = vzero();
+  const uint8_t* wr = g.w + n * g.row_bytes;
+  const int64_t nb = g.K / QK;
+  auto block = [&](int64_t i, int a) {
+    const vec table = QT == kQ4_1
+                          ? _mm512_fmadd_ps(_mm512_set1_ps(f[2 * i]), lut_q, _mm512_set1_ps(f[2 * i + 1]))
+                          : _mm512_mul_ps(_mm512_set1_ps(f[i]), lut_q);
+    const __m512i q = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + i * block_bytes(QT) + 2 * S)));
+    const vec w0 = _mm512_permutexvar_ps(q, table);
+    const vec w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = g.x + (m0 + r) * g.sx + i * QK;
+      acc[r][a] = vfma(w0, vload(xr), acc[r][a]);
+      acc[r][a + 1] = vfma(w1, vload(xr + VL), acc[r][a + 1]);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 2 <= nb; i += 2) {
+    block(i, 0);
+    block(i + 1, 2);
+  }
+  if (i < nb) block(i, 0);
+  for (int r = 0; r < R; ++r)
+    g.store(m0 + r, n, vsum(vadd(vadd(acc[r][0], acc[r][1]), vadd(acc[r][2], acc[r][3]))));
+}
+
+// Rows ahead of the one being multiplied whose bytes are requested (prefetcht0): a decode step
+// reads every weight once, from L3 or DRAM, and each GEMM is too short (a few hundred KB per
+// thread) for the hardware prefetcher's ramp-up to hide that.
+constexpr int64_t kRowsAhead = 6;
+
+template <int64_t QT>
+void q4_lut_columns(const Gemm& g, int64_t n0, int64_t n1) {
+  Q4Scales<QT> sc(g.K);
+  sc.copy(g, n0, 0);
+  for (int64_t n = n0; n < std::min(n1, n0 + kRowsAhead); ++n)
+    for (int64_t b = 0; b < g.row_bytes; b += 64) __builtin_prefetch(g.w + n * g.row_bytes + b, 0, 3);
+  for (int64_t n = n0; n < n1; ++n) {
+    const int slot = static_cast<int>((n - n0) & 1);
+    if (n + kRowsAhead < n1)
+      for (int64_t b = 0; b < g.row_bytes; b += 64)
+        __builtin_prefetch(g.w + (n + kRowsAhead) * g.row_bytes + b, 0, 3);
+    if (n + 1 < n1) sc.copy(g, n + 1, slot ^ 1);
+    sc.widen(slot);
+    int64_t m = 0;
+    for (; m + 2 <= g.M; m += 2) dot_q4_lut<QT, 2>(g, sc.f.data(), n, m);
+    if (m < g.M) dot_q4_lut<QT, 1>(g, sc.f.data(), n, m);
+  }
+}
+#endif
+
 template <int64_t QT>
 void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
+#if defined(__AVX512F__)
+  if constexpr (QT == kQ4_0 || QT == kQ4_1) {
+    q4_lut_columns<QT>(g, n0, n1);
+    return;
+  }
+#endif
   for (int64_t n = n0; n < n1; ++n) {
     int64_t m = 0;
     for (; m + MT <= g.M; m += MT) dot_tile<QT, MT>(g, n, m);
@@ -529,29 +629,38 @@ void dispatch(int64_t qtype, F&& f) {
   }
 }
 
-}  // namespace
-
 // From this many activation rows on, the panel path (expand once, register-tiled micro-kernel)
 // beats re-expanding blocks in registers per row tile (quant/crossover.py measures both).
 constexpr int64_t PANEL_MIN_M = 4;
 
-// x [M, K] fp32 (unit column stride; rows may be strided), w [N, K / block_size * block_bytes] uint8,
-// bias [N] fp32 or None, residual [M, N] fp32 (unit column stride) or None -> [M, N] fp32.
-at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
-                       const c10::optional<at::Tensor>& bias,
-                       const c10::optional<at::Tensor>& residual) {
+// Output columns [n0, n1) on the calling thread, by the path that suits g.M.
+template <int64_t QT>
+void columns(const Gemm& g, int64_t n0, int64_t n1) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (g.M >= PANEL_MIN_M) {
+    std::vector<float> scratch(PANEL * g.K);
+    gemm_panels<QT>(g, n0, n1, scratch.data());
+    return;
+  }
+#endif
+  gemm_columns<QT>(g, n0, n1);
+}
+
+// The checked problem x @ w^T (+ bias) (+ residual); its `out` is for the caller to set.
+Gemm prepare(const char* what, const at::Tensor& x, const at::Tensor& w, int64_t qtype,
+             const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
                         (x.stride(1) == 1 || x.size(1) <= 1),
-                    "packed_gemm: x must be float32 CPU [M, K] with unit column stride, got ",
+                    what, ": x must be float32 CPU [M, K] with unit column stride, got ",
                     x.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = w.dim() == 2 ? w.size(0) : -1;
-  check_weight("packed_gemm", w, qtype, K);
+  check_weight(what, w, qtype, K);
   Gemm g{x.data_ptr<float>(), x.stride(0), M, K, w.data_ptr<uint8_t>(), w.size(1),
          nullptr, nullptr, 0, nullptr, N};
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                           bias->device().is_cpu() && bias->numel() == N,
-                      "packed_gemm: bias must be contiguous float32 CPU [N]");
+                      what, ": bias must be contiguous float32 CPU [N]");
     g.bias = bias->data_ptr<float>();
   }
   if (residual.has_value() && residual->defined()) {
@@ -559,11 +668,23 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
     TORCH_CHECK_VALUE(r.dim() == 2 && r.size(0) == M && r.size(1) == N &&
                           r.scalar_type() == at::kFloat && r.device().is_cpu() &&
                           (r.stride(1) == 1 || N <= 1),
-                      "packed_gemm: residual must be float32 CPU [M, N] with unit column "
+                      what, ": residual must be float32 CPU [M, N] with unit column "
                       "stride, got ", r.sizes());
     g.res = r.data_ptr<float>();
     g.sr = r.stride(0);
   }
+  return g;
+}
+
+}  // namespace
+
+// x [M, K] fp32 (unit column stride; rows may be strided), w [N, K / block_size * block_bytes] uint8,
+// bias [N] fp32 or None, residual [M, N] fp32 (unit column stride) or None -> [M, N] fp32.
+at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
+                       const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& residual) {
+  Gemm g = prepare("packed_gemm", x, w, qtype, bias, residual);
+  const int64_t M = g.M, N = g.N;
   at::Tensor out = at::empty({M, N}, x.options());
   g.out = out.data_ptr<float>();
   if (M == 0 || N == 0) return out;
@@ -573,7 +694,7 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
   if (M >= PANEL_MIN_M) {  // expand each weight row once, reuse it from scratch for all rows
     dispatch(qtype, [&](auto qt) {
       at::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t q0, int64_t q1) {
-        std::vector<float> scratch(PANEL * K);
+        std::vector<float> scratch(PANEL * g.K);
         gemm_panels<decltype(qt)::value>(g, q0 * PANEL, std::min(q1 * PANEL, N),
                                          scratch.data());
       });
@@ -584,6 +705,40 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
   dispatch(qtype, [&](auto qt) {
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       gemm_columns<decltype(qt)::value>(g, n0, n1);
+    });
+  });
+  return out;
+}
+
+// Gate/up with SiLU-and-mul fused: w = [gate; up] [N, ...] (N even), bias [N] or None ->
+// silu(x Wg^T + bg) * (x Wu^T + bu) [M, N / 2] fp32. A task computes gate columns [p0, p1) and
+// the matching up columns, then combines them while they are in L1: one call where the unfused
+// path ran a GEMM, a split, a SiLU and a product (four ops, an [M, N] round trip).
+at::Tensor packed_gemm_silu_mul(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
+                                const c10::optional<at::Tensor>& bias) {
+  Gemm g = prepare("packed_gemm_silu_mul", x, w, qtype, bias, c10::nullopt);
+  TORCH_CHECK_VALUE(g.N % 2 == 0, "packed_gemm_silu_mul: w must have an even number of rows "
+                    "([gate; up]), got ", g.N);
+  const int64_t M = g.M, N = g.N, half = N / 2;
+  at::Tensor y = at::empty({M, N}, x.options());  // [M, gate | up]
+  at::Tensor out = at::empty({M, half}, x.options());
+  g.out = y.data_ptr<float>();
+  if (M == 0 || half == 0) return out;
+  float* yp = g.out;
+  float* op = out.data_ptr<float>();
+  // from PANEL_MIN_M rows on, whole 32-row panels per task (the vector builds' PANEL)
+  const int64_t grain = M >= PANEL_MIN_M
+                            ? 32
+                            : std::max<int64_t>(1, std::min<int64_t>(64, half / (8 * at::get_num_threads())));
+  dispatch(qtype, [&](auto qt) {
+    at::parallel_for(0, half, grain, [&](int64_t p0, int64_t p1) {
+      columns<decltype(qt)::value>(g, p0, p1);
+      columns<decltype(qt)::value>(g, half + p0, half + p1);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t p = p0; p < p1; ++p) {
+          const float gate = yp[m * N + p];
+          op[m * half + p] = gate / (1.f + std::exp(-gate)) * yp[m * N + half + p];
+        }
     });
   });
   return out;
@@ -634,6 +789,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gemm", &packed_gemm, "x @ W^T (+ bias) (+ residual), W GGUF-packed (CPU, fp32)",
         release(), py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none(),
         py::arg("residual") = py::none());
+  m.def("packed_gemm_silu_mul", &packed_gemm_silu_mul,
+        "silu(x @ Wg^T + bg) * (x @ Wu^T + bu) for W = [gate; up] GGUF-packed (CPU, fp32)",
+        release(), py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
   m.def("dequantize", &dequantize, "fp32 rows of a GGUF-packed weight (CPU)", release(),
         py::arg("w"), py::arg("qtype"), py::arg("k"), py::arg("n0") = 0, py::arg("n1") = 0,
         py::arg("rows") = py::none());

@@ -1,0 +1,159 @@
+"""The router's CPU per streamed token on the OpenAI HTTP path, apart from any engine.
+
+Three processes: an instant fake instance (bench/router_fakes.py, `--tokens` per request), a
+router over it, and this one, the client: `--rounds` rounds of `--streams` concurrent streamed
+requests (/v1/completions, or /v1/chat/completions with `--chat`), token-id prompts,
+`--tokens` tokens each. The router's CPU (user + system, from /proc) over each round, divided
+by the tokens the client received, is what the router costs per token; the served stack
+spends it beside the forward on the same cores. `--profile FILE` runs the router under
+cProfile and writes its stats there at the end (read with `python -m pstats FILE`).
+
+    python -m pdserve.bench.serve_router_cpu [--streams 64] [--tokens 128] [--rounds 3]
+
+Prints each round, then one JSON line (cpu_ms_per_token: the median over rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CHILD = [sys.executable, "-m", "pdserve.bench.serve_router_cpu"]
+
+
+async def _serve_fake(tokens: int) -> None:
+    from pdserve.bench.router_fakes import FakeInstance
+
+    fake = await FakeInstance.start(tokens=tokens)
+    print(json.dumps({"address": fake.address}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await fake.stop()
+
+
+async def _serve_router(address: str) -> None:
+    from pdserve.services.router.api.tokenizer_loader import load_tokenizer
+    from pdserve.services.router.config import RouterConfig
+    from pdserve.services.router.server import start_router
+
+    router = await start_router(RouterConfig(model="fake", backends=(address,), port=0,
+                                             grpc_port=0), tokenizer=load_tokenizer("tiny"))
+    print(json.dumps({"port": router.http_port, "pid": os.getpid()}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await router.stop()
+
+
+def _router_main(address: str, profile: str) -> None:
+    if not profile:
+        asyncio.run(_serve_router(address))
+        return
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        asyncio.run(_serve_router(address))
+    finally:
+        prof.disable()
+        prof.dump_stats(profile)
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+async def _stream(http, chat: bool, tokens: int, i: int) -> int:
+    """One streamed request; the tokens' worth of text events it received."""
+    prompt = [100 + i, 200, 300, 400]
+    if chat:
+        url, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
+    else:
+        url, body = "/v1/completions", {"prompt": prompt}
+    body.update(model="fake", max_tokens=tokens, stream=True, ignore_eos=True)
+    events = 0
+    async with http.stream("POST", url, json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                events += '"finish_reason":null' in line
+    return events
+
+
+async def _rounds(port: int, pid: int, args) -> list[dict]:
+    import httpx
+
+    out = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits,
+                                 timeout=120) as http:
+        await _stream(http, args.chat, 4, 0)  # warm-up: connections, first-call imports
+        for r in range(args.rounds):
+            cpu, t = _cpu_s(pid), time.perf_counter()
+            events = await asyncio.gather(*(_stream(http, args.chat, args.tokens, i)
+                                            for i in range(args.streams)))
+            cpu, wall = _cpu_s(pid) - cpu, time.perf_counter() - t
+            tokens = args.streams * args.tokens
+            out.append({"round": r, "tokens": tokens, "events": sum(events),
+                        "router_cpu_s": cpu, "wall_s": wall,
+                        "cpu_ms_per_token": cpu * 1e3 / tokens})
+            print(f"round {r}: {tokens} tokens ({sum(events)} text events) in {wall:.2f} s, "
+                  f"router CPU {cpu:.2f} s = {cpu * 1e3 / tokens:.3f} ms/token", flush=True)
+    return out
+
+
+def _start(cmd: list[str]) -> tuple[subprocess.Popen, dict]:
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(30)
+        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}")
+    return proc, json.loads(line)
+
+
+def run(args) -> int:
+    fake, info = _start(CHILD + ["--fake", str(args.tokens)])
+    router = None
+    try:
+        router, rinfo = _start(CHILD + ["--router", info["address"]]
+                               + (["--profile", args.profile] if args.profile else []))
+        rounds = asyncio.run(_rounds(rinfo["port"], rinfo["pid"], args))
+    finally:
+        for p in (router, fake):
+            if p is not None:
+                p.stdin.close()
+                p.wait(60)
+    line = {"bench": "serve_router_cpu", "endpoint": "chat" if args.chat else "completions",
+            "streams": args.streams, "tokens": args.tokens, "rounds": rounds,
+            "cpu_ms_per_token": statistics.median(r["cpu_ms_per_token"] for r in rounds)}
+    print(json.dumps(line))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.serve_router_cpu")
+    p.add_argument("--streams", type=int, default=64, help="concurrent streamed requests")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per request")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--chat", action="store_true", help="/v1/chat/completions")
+    p.add_argument("--profile", default="", help="cProfile the router into this file")
+    p.add_argument("--fake", type=int, help=argparse.SUPPRESS)  # child: the fake instance
+    p.add_argument("--router", help=argparse.SUPPRESS)  # child: the router
+    args = p.parse_args(argv)
+    if args.fake is not None:
+        asyncio.run(_serve_fake(args.fake))
+        return 0
+    if args.router:
+        _router_main(args.router, args.profile)
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
