@@ -21,21 +21,25 @@ The contenders:
 - `tcp+cap`: the storage node's real write path with the store secret on. The server is a
   SegmentHandler over a Segment that checks the HMAC capability of every request before a
   byte of its payload lands, served as a node serves it (`listen_threads`: a thread per
-  connection, blocking calls, connector/transport/tcp_threads.py); the client signs a capability per request (as the master does
-  per replica) and sends NodeOp WRITE requests, as KVStoreClient._write does.
+  connection, blocking calls, connector/transport/tcp_threads.py). The client drives it as
+  the connector's batched put does (bench/transport_store.py, `--store-path`): by default
+  batches of `--batch-objects` objects, each in its own staging buffer, a capability signed
+  per object, the WRITEs pipelined on one connection.
 - `tcp+cap+mac`: `tcp+cap`, plus each block's MAC as the connector computes it on its save
-  path (StoreKVConnector._put_objects): BlockCodec.header (HMAC-SHA256 one-time key from a fresh
+  path (connector/save_io.py): BlockCodec.header (HMAC-SHA256 one-time key from a fresh
   nonce, then GMAC over header and payload, connector/codec.py, format version 4) on one
-  worker thread, the GIL released (connector/gmac.py), the next block's MAC computed while
-  this block is sent. The first block's MAC is computed before it is sent; every MAC is
-  waited for before the send after it, so each block's MAC is inside the timed loop.
+  worker thread, the GIL released (connector/gmac.py), in chunks that grow 1, 2, 4, ...
+  objects (one hand-off to the worker per chunk); each object is sent once its chunk is
+  sealed, so every MAC is inside the timed loop, overlapping the sends before it.
 - `tcp+cap+poly1305`, `tcp+cap+hmac`: the same with the previous constructions, for
   comparison: Poly1305 under a one-time key (format version 3, connector/poly1305.py) and
   HMAC-SHA256 over the payload (format version 2, hashlib; both release the GIL).
 
-The MAC contenders compute each block's header but send the same `size` bytes as the others
-(a real block's 128-byte header is part of its size). No contender talks to a master: the
-PutStart/PutEnd round trips of a real put are outside what this measures (the bytes' path).
+The MAC contenders write each block's header into its first 128 bytes and send `size` bytes
+like the others. No contender talks to a master: the BatchPutStart/BatchPutEnd round trips
+of a real put (two per batch) are outside the timed loop; `--breakdown` measures them (with a
+real master on a local redis-server, where one is installed) next to the other parts of a
+put: the MAC alone, the hand-off to the worker, the capability checks, the copies.
 """
 
 from __future__ import annotations
@@ -53,18 +57,20 @@ import time
 
 import numpy as np
 
+from pdserve.bench import transport_store
+
 MiB = 1 << 20
 _LEN = struct.Struct("!Q")
 CONTENDERS = ("socket", "tcp", "tcp+cap", "tcp+cap+mac", "tcp+cap+poly1305", "tcp+cap+hmac",
               "ucx")
-_GRANT_KEY = b"bench-grant-key-0123456789abcdef"
-_MAC_KEY = b"bench-block-mac-0123456789abcdef"
+_GRANT_KEY, _MAC_KEY = transport_store.GRANT_KEY, transport_store.MAC_KEY
 # 30 layers x (K, V) x 16 tokens x 3 KV heads x 64 dims x 4 bytes, plus the 128-byte header
 SMOLLM2_BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4 + 128
 
 
 def add_transport_subcommand(sub) -> None:
-    p = sub.add_parser("transport", help="UCX and TCP transports vs a raw loopback socket")
+    p = sub.add_parser("transport", help="UCX and TCP transports, and the store's write path "
+                                         "as the connector drives it, vs a raw loopback socket")
     _add_args(p)
     p.set_defaults(func=_run)
 
@@ -83,6 +89,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "16 tokens in fp32 with its header)")
     p.add_argument("--bytes-per-rep-mib", type=int, default=128, help="data sent per repetition")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the contenders in turn this many times (each its --reps) and "
+                        "report the median of the rounds: on a shared host, load that "
+                        "comes and goes then falls on every contender alike")
     p.add_argument("--rtt-iters", type=int, default=2000)
     p.add_argument("--transports", default=",".join(CONTENDERS))
     p.add_argument("--zero-copy", choices=("on", "off"), default="on",
@@ -90,6 +100,20 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "Linux) or copy them (plain send)")
     p.add_argument("--ucx-progress-mode", default=None,
                    help="blocking|polling|thread|thread-polling; default: UcxConfig's")
+    p.add_argument("--store-path", choices=("batched", "single"), default="batched",
+                   help="tcp+cap contenders: the store path as the connector uses it (batched: "
+                        "a step's objects sealed in chunks on a worker and their WRITEs "
+                        "pipelined on one connection, each with its capability) or the "
+                        "one-object-at-a-time path before batching")
+    p.add_argument("--batch-objects", type=int, default=32,
+                   help="objects per batch of the batched store path (a step's blocks)")
+    p.add_argument("--buffers", type=int, default=1,
+                   help="distinct payload buffers per size that every contender (the socket "
+                        "too) sends in turn: 1 keeps the payload cache-hot for all, as "
+                        "earlier figures; more (a step's staging buffers) reads cold memory")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time the parts of a put per size: the MAC alone, the worker "
+                        "hand-off, capability sign/check, memcpy, master round trips")
 
 
 # ---- server side (child process) -------------------------------------------------------
@@ -177,30 +201,42 @@ def _cpu_seconds(pids) -> float:
     return total / 1e9
 
 
-async def _measure(send, sizes, args, cpu) -> dict:
+async def _measure(send_many, sizes, args, cpu, rtt_send=None) -> dict:
     """Per payload size: median GB/s and median CPU (client + server, us per MiB); median
-    small-message round trip (us)."""
+    small-message round trip (us). send_many(ring, count) sends `count` payloads taken in
+    turn from `ring`, --buffers distinct buffers of the size (at most a repetition's)."""
     per_rep, reps, rtt_iters = args.bytes_per_rep_mib * MiB, args.reps, args.rtt_iters
-    data = memoryview(np.random.default_rng(0).integers(0, 255, max(sizes), dtype=np.uint8))
+    rng = np.random.default_rng(0)
     gbps, cpu_us = {}, {}
     for size in sizes:
         count = max(1, per_rep // size)
-        await send(data[:size])  # warm-up: connection set-up, page faults in the sink
+        ring = [memoryview(rng.integers(0, 255, size, dtype=np.uint8))
+                for _ in range(max(1, min(args.buffers, count)))]
+        await send_many(ring, len(ring))  # warm-up: connection set-up, page faults
         runs, cpus = [], []
         for _ in range(reps):
             c0, t0 = cpu(), time.perf_counter()
-            for _ in range(count):
-                await send(data[:size])
+            await send_many(ring, count)
             runs.append(size * count / (time.perf_counter() - t0) / 1e9)
             cpus.append((cpu() - c0) / (size * count / MiB) * 1e6)
         gbps[size], cpu_us[size] = statistics.median(runs), statistics.median(cpus)
+        del ring
     rtts = []
+    empty = memoryview(b"")
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(rtt_iters):
-            await send(data[:0])
+            await (rtt_send(empty) if rtt_send is not None else send_many([empty], 1))
         rtts.append((time.perf_counter() - t0) / rtt_iters * 1e6)
     return {"gbps": gbps, "cpu_us_per_mib": cpu_us, "rtt_us": statistics.median(rtts)}
+
+
+def _one_at_a_time(send):
+    """send_many over a per-payload send."""
+    async def send_many(ring, count):
+        for i in range(count):
+            await send(ring[i % len(ring)])
+    return send_many
 
 
 async def _raw_client(port: int, args, sizes, cpu) -> dict:
@@ -214,7 +250,7 @@ async def _raw_client(port: int, args, sizes, cpu) -> dict:
         _recv_exact(s, ack)
 
     try:
-        return await _measure(send, sizes, args, cpu)
+        return await _measure(_one_at_a_time(send), sizes, args, cpu)
     finally:
         s.close()
 
@@ -222,67 +258,32 @@ async def _raw_client(port: int, args, sizes, cpu) -> dict:
 async def _transport_client(kind: str, port: int, args, sizes, cpu) -> dict:
     conn = await _transport(kind, args.ucx_progress_mode, args.zero_copy == "on").connect(
         f"127.0.0.1:{port}")
+    if not kind.startswith("tcp+cap"):
+        async def send(payload: memoryview) -> None:
+            await conn.request(b"put", payload)
+        try:
+            return await _measure(_one_at_a_time(send), sizes, args, cpu)
+        finally:
+            await conn.close()
+    store = transport_store
+    mac_kind = kind.rpartition("+")[2]
+    batched = args.store_path == "batched"
+    send_many = (store.batched_sender(conn, mac_kind, args.batch_objects) if batched
+                 else store.single_sender(conn, mac_kind))
 
-    async def send(payload: memoryview) -> None:
-        await conn.request(b"put", payload)
-
-    if kind.startswith("tcp+cap"):
-        send = _secured_send(conn, kind.rpartition("+")[2])
+    async def rtt_send(payload: memoryview) -> None:  # a capability-checked empty WRITE
+        await conn.request(store.write_header(0), payload)
     try:
-        return await _measure(send, sizes, args, cpu)
+        return await _measure(send_many, sizes, args, cpu, rtt_send=rtt_send)
     finally:
+        send_many.close()
         await conn.close()
 
 
-def _secured_send(conn, mac_kind: str):
-    """A send that signs a capability per request and, for mac_kind "mac" or "hmac", MACs
-    each block (pipelined: the next block's MAC runs in a worker thread during this send)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from pdserve.connector.kvstore.auth import sign_capability
-    from pdserve.connector.kvstore.node_protocol import WRITE, NodeOp
-
-    loop = asyncio.get_running_loop()
-    mac = {"mac": _codec_mac(), "poly1305": _poly1305_v3, "hmac": _hmac_sha256}.get(mac_kind)
-    pool = ThreadPoolExecutor(1, thread_name_prefix="bench-mac")
-    pending = []  # the MAC of the block to send next, computed while this one is sent
-
-    async def send(payload: memoryview) -> None:
-        if mac is not None:
-            if pending:
-                await pending.pop()
-            else:
-                mac(payload)
-            pending.append(loop.run_in_executor(pool, mac, payload))
-        cap = sign_capability(_GRANT_KEY, WRITE, "bench", 0, len(payload), time.time() + 60)
-        await conn.request(NodeOp(WRITE, 0, len(payload), cap).encode(), payload)
-    return send
-
-
 def _codec_mac():
-    """The block header the producer writes: its Poly1305 MAC over header and payload."""
-    from pdserve.connector.codec import BlockCodec
-
-    codec = BlockCodec("0f" * 32, 1, 1, 1, 1, mac_key=_MAC_KEY)  # geometry is not checked here
+    """The block header the producer writes: the tcp+cap+mac contender's MAC."""
+    codec = transport_store.mac_codec("mac")
     return lambda payload: codec.header(b"k" * 32, payload)
-
-
-def _poly1305_v3(payload: memoryview) -> bytes:
-    """Format version 3's MAC: Poly1305 under the same kind of one-time key."""
-    import hashlib
-    import hmac
-
-    from pdserve.connector.poly1305 import poly1305_tag
-
-    one_time_key = hmac.digest(_MAC_KEY, b"pdkv-poly1305-otk\0" + os.urandom(16), hashlib.sha256)
-    return poly1305_tag(one_time_key, (bytes(128), payload))
-
-
-def _hmac_sha256(payload: memoryview) -> bytes:
-    import hashlib
-    import hmac
-
-    return hmac.new(_MAC_KEY, payload, hashlib.sha256).digest()
 
 
 def _run_one(kind: str, args, sizes) -> dict:
@@ -391,13 +392,41 @@ def _run(args: argparse.Namespace) -> int:
     unknown = set(kinds) - set(CONTENDERS)
     if unknown:
         raise ValueError(f"unknown transports {sorted(unknown)}; choose from {CONTENDERS}")
-    results = {}
-    for kind in kinds:
-        results[kind] = _run_one(kind, args, sizes)
+    if args.batch_objects < 1 or args.buffers < 1:
+        raise ValueError("--batch-objects and --buffers must be >= 1")
+    if args.rounds < 1:
+        raise ValueError("--rounds must be >= 1")
+    rounds = {kind: [] for kind in kinds}
+    for _ in range(args.rounds):
+        for kind in kinds:
+            rounds[kind].append(_run_one(kind, args, sizes))
+    results = {kind: _median_of_rounds(runs) for kind, runs in rounds.items()}
     summary = _summary(results, sizes)
+    summary["rounds"] = args.rounds
+    summary["store_path"] = {"mode": args.store_path, "batch_objects": args.batch_objects,
+                             "buffers": args.buffers}
     _print_table(summary, sizes)
+    if args.breakdown:
+        summary["breakdown"] = _breakdown(args, sizes, summary["rtt_us"])
     print(json.dumps(summary))
     return 0
+
+
+def _median_of_rounds(runs: list[dict]) -> dict:
+    """One contender's result: per size and field, the median over rounds."""
+    return {"gbps": {s: statistics.median(r["gbps"][s] for r in runs) for s in runs[0]["gbps"]},
+            "cpu_us_per_mib": {s: statistics.median(r["cpu_us_per_mib"][s] for r in runs)
+                               for s in runs[0]["cpu_us_per_mib"]},
+            "rtt_us": statistics.median(r["rtt_us"] for r in runs)}
+
+
+def _breakdown(args, sizes, rtt_us: dict) -> dict:
+    from pdserve.bench import transport_breakdown as bd
+
+    parts = bd.local_parts(sizes, args.reps)
+    master = bd.master_parts(args.batch_objects, args.reps)
+    bd.print_breakdown(parts, master, rtt_us, _label)
+    return bd.summary(parts, master, _label)
 
 
 if __name__ == "__main__":

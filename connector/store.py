@@ -8,7 +8,7 @@ return value (None / 0); an unreachable store raises.
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from typing import Awaitable, Optional, Protocol, Sequence
 
 
 STORED = ("ok", "exists")  # put statuses that leave the object readable
@@ -23,6 +23,12 @@ def put_stored(status) -> bool:
 class BlockStore(Protocol):
     async def put(self, key: bytes, data: memoryview, lease_s: float = 0.0):
         """Store data under key; returns a status (see put_stored)."""
+
+    async def put_many(self, items: Sequence[tuple[bytes, memoryview]], lease_s: float = 0.0,
+                       ready: Optional[Sequence[Awaitable]] = None) -> list:
+        """Store each (key, data) (a step's objects: one batch, not a round trip each). Per
+        item, in order: a status (see put_stored) or the exception that failed it. `ready[i]`,
+        when given, is awaited before item i's bytes are read (its header is being written)."""
 
     async def get_many_into(self, keys: list[bytes], outs: list[memoryview],
                             max_inflight: int = 8) -> list:
@@ -54,6 +60,15 @@ class InMemoryBlockStore:
         self.puts += 1
         self.objects.setdefault(key, bytes(data))
         return "ok"
+
+    async def put_many(self, items, lease_s=0.0, ready=None):
+        """Each item through `put` (tests replace `put` to inject failures)."""
+        async def one(i, key, data):
+            if ready is not None:
+                await ready[i]
+            return await self.put(key, data, lease_s)
+        return list(await asyncio.gather(*(one(i, k, d) for i, (k, d) in enumerate(items)),
+                                         return_exceptions=True))
 
     async def get_many_into(self, keys, outs, max_inflight=8):
         self._check()

@@ -10,18 +10,15 @@ the copy overlaps the forward; `end_step` hands the buffer to the I/O thread, wh
 headers and puts the objects while the engine computes on. With layer segments
 (ConnectorConfig.layer_segments > 1, connector/segments.py) a block is S objects, each a run of
 layers: a segment's puts start as soon as its last layer is copied, while the later layers
-compute, and `end_step` puts only the last segment (under the block's key, after the others). Each header's MAC is computed on
-the I/O thread's worker (IOThread.offload; it releases the GIL), so one block's MAC overlaps
-the send of the block before it and never stalls the engine thread. The request's blocks
-stay allocated (`request_finished` -> True) until its puts are done. A failed put only costs
-a later reader a recomputation.
+compute, and `end_step` puts only the last segment (under the block's key, after the
+others). A segment's objects of a step go to the store in one batched put, their headers
+(MACs) written on the I/O thread's worker meanwhile (save_io.py; GMAC releases the GIL), so
+the MACs overlap the sends and never stall the engine thread. The request's blocks stay
+allocated (`request_finished` -> True) until its puts are done. A failed put only costs a
+later reader a recomputation.
 
-With pipeline stages (P > 1) rank 0 holds only the first stage's layers and up to P steps are
-in flight, so the engine calls `stage_step` when it submits a step (staging as `begin_step`,
-and one save counted in flight for every request of the step, so an abort cannot free blocks
-the later stages still write) and `save_step` once the step came back from the last stage:
-every layer is copied out then, through the shared-memory mapping of every rank's cache
-(common/distributed/kv_share.py), and put as one step.
+With pipeline stages (P > 1) the engine calls `stage_step` and `save_step` instead
+(pipelined_save.py).
 
 Consumer (decode): `get_num_new_matched_tokens` asks the store how many of the request's next
 blocks exist (a prefix lookup; a caller's hint in request.kv_transfer.block_keys saves it).
@@ -69,12 +66,14 @@ import torch
 
 from pdserve.common.engine.kv_connector import KVConnector
 from pdserve.common.engine.request import RequestStatus
-from pdserve.connector.codec import HEADER_SIZE, BlockCodec, BlockCodecError
+from pdserve.connector.codec import BlockCodec, BlockCodecError
 from pdserve.connector.io_thread import IOThread
 from pdserve.connector.layout import HeadShards
+from pdserve.connector.pipelined_save import PipelinedSaves
+from pdserve.connector.save_io import SaveIO
 from pdserve.connector.segments import MAX_SEGMENTS, LayerSegments
 from pdserve.connector.staging import Block, StagedStep, stage, staged_blocks
-from pdserve.connector.store import BlockStore, put_stored
+from pdserve.connector.store import BlockStore
 
 log = logging.getLogger(__name__)
 _MAX_LOOKUPS = 1024  # lookups in flight or answered but not yet taken
@@ -86,7 +85,7 @@ class ConnectorConfig:
     role: Role = "both"
     lease_s: float = 30.0  # stored blocks are not evicted for this long
     load_timeout_s: float = 10.0  # a load taking longer fails (and is recomputed)
-    max_inflight: int = 8  # parallel block transfers
+    max_inflight: int = 8  # parallel block reads of a load (puts are batched, save_io.py)
     reuse: bool = True  # prefill also loads, decode also saves finished requests
     save_budget_bytes: int = 64 << 20  # decode's finish-time saves: encoded bytes in flight
     # objects per block, each a run of layers (connector/segments.py): > 1 puts a step's first
@@ -123,15 +122,7 @@ class ConnectorStats:
     failure_reasons: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class PipelinedSave:
-    """A step submitted down the pipeline: its staged blocks (None: nothing to save) and its
-    requests, each counted as one save in flight until the step is saved."""
-    step: Optional[StagedStep]
-    rids: list[str]
-
-
-class StoreKVConnector(KVConnector):
+class StoreKVConnector(PipelinedSaves, SaveIO, KVConnector):
     def __init__(self, store: BlockStore, codec: BlockCodec, config: ConnectorConfig,
                  io: Optional[IOThread] = None):
         self.store, self.codec, self.config = store, codec, config
@@ -150,7 +141,6 @@ class StoreKVConnector(KVConnector):
         self._budget_used = 0  # decode's save bytes in flight (under _lock)
         self._freed: set[str] = set()  # preempted while a backfill was in flight (under _lock)
         self._step: Optional[StagedStep] = None
-        self._sem: Optional[asyncio.Semaphore] = None
         # request id -> (num_computed_tokens it was asked for, the lookup's future)
         self._lookups: dict[str, tuple[int, concurrent.futures.Future]] = {}
 
@@ -323,39 +313,8 @@ class StoreKVConnector(KVConnector):
         with self._lock:
             for rid, _, _ in step.staged:
                 self._save_started(rid)
-        blocks = staged_blocks(self.segments, [key for _, key, _ in step.staged], step.bufs)
-        self.io.submit(self._put_blocks(blocks, [rid for rid, _, _ in step.staged],
-                                        step.earlier, step.reserved))
-
-    def stage_step(self, batch) -> "PipelinedSave":
-        """Pipeline stages: when the step is submitted, stage its full blocks and count one
-        save in flight for each of its requests until `save_step`: a request aborted while
-        its step is in flight keeps its blocks (request_finished -> True) until every stage
-        is done with them, so neither a later step nor a load (written from here, past the
-        pipeline's order) can reuse them early."""
-        step = self._stage(batch)
-        rids = list(dict.fromkeys(req.request_id for req, _, _ in batch))
-        with self._lock:
-            for rid in rids:
-                self._save_started(rid)
-        return PipelinedSave(step, rids)
-
-    def save_step(self, handle: Optional["PipelinedSave"]) -> None:
-        """Pipeline stages: the step came back (every stage wrote its layers; kv_share.py):
-        copy every layer of its staged blocks out of the ranks' caches, then put them."""
-        if handle is None:
-            return
-        step = handle.step
-        saving = set() if step is None else {rid for rid, _, _ in step.staged}
-        with self._lock:  # a request with no block to save is done with now
-            self._saves_done([rid for rid in handle.rids if rid not in saving])
-        if step is None:
-            return
-        for layer in range(self.heads.num_layers):
-            self._copy_layer(step.views, layer, step.ids)
-        blocks = staged_blocks(self.segments, [key for _, key, _ in step.staged], step.bufs)
-        self.io.submit(self._put_blocks(blocks, [r for r in handle.rids if r in saving],
-                                        reserved=step.reserved))
+        self._submit_save(step, [rid for rid, _, _ in step.staged], step.earlier,
+                          step.reserved)
 
     def _save_started(self, rid: str) -> None:
         """(Under _lock.) One more save in flight for rid. A 'saved' already reported by an
@@ -385,11 +344,6 @@ class StoreKVConnector(KVConnector):
         self.io.close()
 
     # -- I/O (runs on the I/O thread) ------------------------------------------------------
-    def _semaphore(self) -> asyncio.Semaphore:
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self.config.max_inflight)
-        return self._sem
-
     async def _backfill(self, rid: str, keys: list[bytes], block_ids: list[int]) -> None:
         """Store the blocks the store lacks among a producer's local prefix-cache hits
         (evicted there or never saved), read straight from the cache: the scheduler holds
@@ -416,68 +370,6 @@ class StoreKVConnector(KVConnector):
         b = self.segments.bounds
         return [c.write_payload(block[b[s]:b[s + 1]], bytearray(c.nbytes))
                 for s, c in enumerate(self.segments.codecs)]
-
-    async def _put_blocks(self, blocks: list[Block], done: list[str],
-                          earlier: Optional[list[concurrent.futures.Future]] = None,
-                          reserved: int = 0) -> None:
-        """Put blocks (key, one encoded view per segment), then mark `done` (one entry per
-        count taken in _saving) finished and give `reserved` budget bytes back, whatever
-        happened. Every earlier segment first (or
-        `earlier`: their puts, started during the forward, one future per segment), then the
-        last segment, under the block's key, of each block whose earlier segments all stored."""
-        last = self.segments.count - 1
-        try:
-            ok = [True] * len(blocks)
-            if earlier is None:
-                earlier = [self._put_objects(s, [(self.segments.key(k, s), v[s])
-                                                 for k, v in blocks]) for s in range(last)]
-                results = await asyncio.gather(*earlier)
-            else:
-                results = [await asyncio.wrap_future(f) for f in earlier]
-            for seg_ok in results:
-                ok = [a and b for a, b in zip(ok, seg_ok)]
-            todo = [(k, v[last]) for (k, v), good in zip(blocks, ok) if good]
-            stored = await self._put_objects(last, todo)
-            self.stats.blocks_saved += sum(stored)
-            self.stats.save_failures += len(blocks) - sum(stored)
-        finally:
-            with self._lock:
-                self._saves_done(done)
-                self._budget_used -= reserved
-
-    def _saves_done(self, rids: list[str]) -> None:
-        """(Under _lock.) One save in flight fewer for each entry; a request with none left
-        is saved."""
-        for rid in rids:
-            self._saving[rid] -= 1
-            if self._saving[rid] == 0:
-                del self._saving[rid]
-                self._freed.discard(rid)
-                self._saved.add(rid)
-
-    async def _put_objects(self, s: int, objs: list[tuple[bytes, memoryview]]) -> list[bool]:
-        """Put objects of segment s (store key, encoded view); which stored. A view holds its
-        payload; its header (and MAC) is written here, on the I/O worker thread, while the
-        loop sends the objects before it."""
-        t0, codec = time.perf_counter(), self.segments.codecs[s]
-
-        async def put(key: bytes, view: memoryview) -> bool:
-            async with self._semaphore():
-                try:
-                    view[:HEADER_SIZE] = await self.io.offload(codec.header, key,
-                                                               view[HEADER_SIZE:])
-                    status = await self.store.put(key, view, self.config.lease_s)
-                except Exception as exc:
-                    self._note_failure("save:" + type(exc).__name__)
-                    return False
-            if not put_stored(status):
-                self._note_failure("save:" + str(getattr(status, "value", status)))
-            return put_stored(status)
-
-        ok = list(await asyncio.gather(*(put(key, view) for key, view in objs)))
-        self.stats.bytes_saved += sum(ok) * codec.nbytes
-        self.stats.save_seconds += time.perf_counter() - t0
-        return ok
 
     async def _load(self, rid: str, keys: list[bytes], block_ids: list[int]) -> None:
         t0, seg = time.perf_counter(), self.segments

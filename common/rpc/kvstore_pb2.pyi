@@ -76,6 +76,42 @@ class PutRevokeResponse(_message.Message):
     ok: bool
     def __init__(self, ok: _Optional[bool] = ...) -> None: ...
 
+class BatchPutStartRequest(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[PutStartRequest]
+    def __init__(self, entries: _Optional[_Iterable[_Union[PutStartRequest, _Mapping]]] = ...) -> None: ...
+
+class BatchPutStartResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PutStartResponse]
+    def __init__(self, results: _Optional[_Iterable[_Union[PutStartResponse, _Mapping]]] = ...) -> None: ...
+
+class BatchPutEndRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class BatchPutEndResponse(_message.Message):
+    __slots__ = ("ok",)
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ok: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, ok: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class BatchPutRevokeRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class BatchPutRevokeResponse(_message.Message):
+    __slots__ = ("ok",)
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ok: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, ok: _Optional[_Iterable[bool]] = ...) -> None: ...
+
 class GetReplicaListRequest(_message.Message):
     __slots__ = ("key",)
     KEY_FIELD_NUMBER: _ClassVar[int]

@@ -49,6 +49,21 @@ class KVStoreMasterStub:
                 request_serializer=kvstore__pb2.PutRevokeRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.PutRevokeResponse.FromString,
                 _registered_method=True)
+        self.BatchPutStart = channel.unary_unary(
+                '/pdserve.v1.KVStoreMaster/BatchPutStart',
+                request_serializer=kvstore__pb2.BatchPutStartRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.BatchPutStartResponse.FromString,
+                _registered_method=True)
+        self.BatchPutEnd = channel.unary_unary(
+                '/pdserve.v1.KVStoreMaster/BatchPutEnd',
+                request_serializer=kvstore__pb2.BatchPutEndRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.BatchPutEndResponse.FromString,
+                _registered_method=True)
+        self.BatchPutRevoke = channel.unary_unary(
+                '/pdserve.v1.KVStoreMaster/BatchPutRevoke',
+                request_serializer=kvstore__pb2.BatchPutRevokeRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.BatchPutRevokeResponse.FromString,
+                _registered_method=True)
         self.GetReplicaList = channel.unary_unary(
                 '/pdserve.v1.KVStoreMaster/GetReplicaList',
                 request_serializer=kvstore__pb2.GetReplicaListRequest.SerializeToString,
@@ -107,6 +122,24 @@ class KVStoreMasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PutRevoke(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BatchPutStart(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BatchPutEnd(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BatchPutRevoke(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -177,6 +210,21 @@ def add_KVStoreMasterServicer_to_server(servicer, server):
                     servicer.PutRevoke,
                     request_deserializer=kvstore__pb2.PutRevokeRequest.FromString,
                     response_serializer=kvstore__pb2.PutRevokeResponse.SerializeToString,
+            ),
+            'BatchPutStart': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchPutStart,
+                    request_deserializer=kvstore__pb2.BatchPutStartRequest.FromString,
+                    response_serializer=kvstore__pb2.BatchPutStartResponse.SerializeToString,
+            ),
+            'BatchPutEnd': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchPutEnd,
+                    request_deserializer=kvstore__pb2.BatchPutEndRequest.FromString,
+                    response_serializer=kvstore__pb2.BatchPutEndResponse.SerializeToString,
+            ),
+            'BatchPutRevoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchPutRevoke,
+                    request_deserializer=kvstore__pb2.BatchPutRevokeRequest.FromString,
+                    response_serializer=kvstore__pb2.BatchPutRevokeResponse.SerializeToString,
             ),
             'GetReplicaList': grpc.unary_unary_rpc_method_handler(
                     servicer.GetReplicaList,
@@ -300,6 +348,87 @@ class KVStoreMaster:
             '/pdserve.v1.KVStoreMaster/PutRevoke',
             kvstore__pb2.PutRevokeRequest.SerializeToString,
             kvstore__pb2.PutRevokeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchPutStart(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVStoreMaster/BatchPutStart',
+            kvstore__pb2.BatchPutStartRequest.SerializeToString,
+            kvstore__pb2.BatchPutStartResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchPutEnd(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVStoreMaster/BatchPutEnd',
+            kvstore__pb2.BatchPutEndRequest.SerializeToString,
+            kvstore__pb2.BatchPutEndResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchPutRevoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVStoreMaster/BatchPutRevoke',
+            kvstore__pb2.BatchPutRevokeRequest.SerializeToString,
+            kvstore__pb2.BatchPutRevokeResponse.FromString,
             options,
             channel_credentials,
             insecure,

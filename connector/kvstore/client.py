@@ -4,7 +4,9 @@ gRPC, bytes to and from storage nodes over the KV transport.
 A put is PutStart (the master places each replica: node + offset, with a write capability) ->
 write the bytes to every replica in parallel -> PutEnd; if a write fails or the put passes its
 deadline, PutRevoke, so readers never see a half-written object and the master frees its space
-at once. A get asks for the replica list (which renews the object's lease and hands out read
+at once. `put_many` does the same for many objects with one BatchPutStart, each node's
+writes pipelined on one connection, and one BatchPutEnd (batch_put.py). A get asks for the
+replica list (which renews the object's lease and hands out read
 capabilities) and reads from the first replica that answers. A miss is a return value (None /
 PutStatus); an unreachable or too slow master or storage node raises `KVStoreUnavailable`.
 
@@ -26,13 +28,14 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional, Sequence
 
 import grpc
 
 from pdserve.common.rpc import kvstore_pb2 as pb
 from pdserve.common.rpc import kvstore_pb2_grpc as pb_grpc
 from pdserve.connector.kvstore import convert
+from pdserve.connector.kvstore.batch_put import MasterCalls, put_batch
 from pdserve.connector.kvstore.auth import (UNKEYED_MAC_KEY, BlockKeys, StoreKeys,
                                             load_block_keys, remove_body, sign_token)
 from pdserve.connector.kvstore.conn_pool import ConnectionPool
@@ -59,6 +62,9 @@ class StoreClientConfig:
     put_timeout_s: float = 10.0  # a whole put; past it the put is revoked
     get_timeout_s: float = 10.0  # a whole read of one object (all replicas tried)
     conns_per_node: int = 4
+    # objects per BatchPutStart of put_many (more go in several batches, one after the
+    # other); the master refuses batches over its max_batch_puts (1,024 by default)
+    put_batch: int = 256
     block_secret_file: str = ""  # "" -> $PDSERVE_KV_BLOCK_SECRET_FILE; neither -> raw keys
 
     def __post_init__(self):
@@ -72,6 +78,8 @@ class StoreClientConfig:
                                  f"{getattr(self, name)}")
         if self.conns_per_node < 1:
             raise ValueError("conns_per_node must be >= 1")
+        if self.put_batch < 1:
+            raise ValueError("put_batch must be >= 1")
 
 
 class KVStoreClient:
@@ -179,6 +187,31 @@ class KVStoreClient:
             raise
         ended = await self._call(self._stub.PutEnd, pb.PutEndRequest(key=skey))
         return PutStatus.OK if ended.ok else PutStatus.REVOKED
+
+    async def put_many(self, items: Sequence[tuple[bytes, Buffer]], lease_s: float = 0.0,
+                       replica_num: int = 0, ready: Optional[Sequence[Awaitable]] = None
+                       ) -> list:
+        """Store each (key, data) as `put` does, with two master calls per put_batch objects
+        and each node's writes pipelined on one connection (batch_put.py). Per item, in
+        order: a PutStatus, or the KVStoreUnavailable that failed it (revoked). `ready[i]`:
+        awaited before item i's bytes go out (its header may be written until then). An
+        unreachable master fails the items of the batches it did not start."""
+        views = [as_bytes_view(d) for _, d in items]
+        if any(not len(v) for v in views):
+            raise ValueError("cannot store an empty object")
+        master = MasterCalls(self._call, self._stub, self._revokes)
+        results: list = []
+        step = self.config.put_batch
+        for at in range(0, len(items), step):
+            keys = [self._k(k) for k, _ in items[at:at + step]]
+            part = None if ready is None else ready[at:at + step]
+            try:
+                results += await put_batch(master, self._connections(), keys,
+                                           views[at:at + step], lease_s, replica_num,
+                                           self.config.put_timeout_s, part)
+            except KVStoreUnavailable as exc:
+                results += [exc] * len(keys)
+        return results
 
     async def _write(self, replica: Replica, view: memoryview) -> None:
         header = NodeOp(WRITE, replica.offset, len(view), replica.capability).encode()

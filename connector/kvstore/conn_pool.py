@@ -39,15 +39,22 @@ class ConnectionPool:
     async def connection(self, addr: str):
         node = self._nodes.setdefault(addr, _NodeConns(self._per_node))
         async with node.slots:
+            while node.idle and not node.idle[-1].usable:  # broken while idle, or by its peer
+                await node.idle.pop().close()
             conn = node.idle.pop() if node.idle else await self._connect(addr)
             try:
                 yield conn
             except RemoteError:  # the peer answered (refused): the stream is in step
-                node.idle.append(conn)
+                self._put_back(node, conn)
                 raise
             except BaseException:
                 await conn.close()  # mid-request state is unknown: never reuse it
                 raise
+            self._put_back(node, conn)
+
+    @staticmethod
+    def _put_back(node: _NodeConns, conn: Connection) -> None:
+        if conn.usable:
             node.idle.append(conn)
 
     async def close(self) -> None:

@@ -35,6 +35,13 @@ def put_start_from_pb(m: pb.PutStartResponse) -> PutStart:
     return PutStart(_PUT_STATUS_BACK[m.status], tuple(replica_from_pb(r) for r in m.replicas))
 
 
+def put_starts_from_pb(m: pb.BatchPutStartResponse, count: int) -> list[PutStart]:
+    """A BatchPutStart's answer: one result per entry asked for (ValueError otherwise)."""
+    if len(m.results) != count:
+        raise ValueError(f"master answered {len(m.results)} PutStart results for {count}")
+    return [put_start_from_pb(r) for r in m.results]
+
+
 def replica_list_to_pb(rl: ReplicaList | None) -> pb.GetReplicaListResponse:
     if rl is None:
         return pb.GetReplicaListResponse(found=False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Protocol, Union
+from typing import Awaitable, Callable, Optional, Protocol, Sequence, Union
 
 # Anything exposing a contiguous buffer: bytes, bytearray, memoryview, numpy arrays.
 Buffer = Union[bytes, bytearray, memoryview]
@@ -80,6 +80,36 @@ class Connection(abc.ABC):
         Raises TransportError when the connection fails or the peer's frame is refused, and
         RemoteError when the peer's handler raised.
         """
+
+    async def pipeline(self, requests: Sequence[tuple[bytes, Buffer]],
+                       before_send: Optional[Callable[[int], Awaitable[None]]] = None,
+                       on_reply: Optional[Callable[[int, "Message | RemoteError"], None]] = None
+                       ) -> list["Message | RemoteError"]:
+        """Send the requests in order (request i after `before_send(i)`) and return their
+        answers in order: a Message, or the RemoteError of a request the peer refused, each
+        also given to `on_reply(i, answer)` as it arrives. Where the transport can (TCP:
+        connector/transport/pipeline.py) a request goes out before the ones ahead of it are
+        answered; here, one at a time. A broken connection raises TransportError, and an
+        exception of `before_send` ends the pipeline too (raised as it is): the requests
+        not answered by then did not complete (and a TCP connection is closed). Payloads
+        must stay unchanged until this returns or raises."""
+        answers = []
+        for i, (header, payload) in enumerate(requests):
+            if before_send is not None:
+                await before_send(i)
+            try:
+                answer = await self.request(header, payload)
+            except RemoteError as exc:
+                answer = exc
+            if on_reply is not None:
+                on_reply(i, answer)
+            answers.append(answer)
+        return answers
+
+    @property
+    def usable(self) -> bool:
+        """False once the connection is known broken or closed (a pool drops it then)."""
+        return True
 
     @abc.abstractmethod
     async def close(self) -> None: ...

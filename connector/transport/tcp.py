@@ -28,9 +28,10 @@ from typing import Optional
 
 from pdserve.connector.transport import framing
 from pdserve.connector.transport.base import (Buffer, Connection, FrameRejected, Listener,
-                                              Message, RequestHandler, Transport,
+                                              Message, RemoteError, RequestHandler, Transport,
                                               TransportError, as_bytes_view, split_addr)
 from pdserve.connector.transport.fd_wait import fd_ready
+from pdserve.connector.transport.pipeline import BeforeSend, OnReply, Reply, run_pipeline
 from pdserve.connector.transport.splice import SpliceRefused, Splicer, spliced
 from pdserve.connector.transport.tcp_threads import BlockingHandler, ThreadedTcpListener
 
@@ -183,6 +184,51 @@ class TcpConnection(Connection):
                 raise TransportError(f"tcp request failed: {exc}") from exc
         framing.raise_if_error(kind, rheader)
         return Message(rheader, rpayload)
+
+    @property
+    def usable(self) -> bool:
+        return not self._broken
+
+    async def pipeline(self, requests, before_send: Optional[BeforeSend] = None,
+                       on_reply: Optional[OnReply] = None) -> list:
+        """Connection.pipeline with the sends on one task and the answers read on another
+        (pipeline.py); any failure resets the connection, so half-sent payloads never
+        reach the peer once the caller has its buffers back."""
+        loop = asyncio.get_running_loop()
+        views = [as_bytes_view(p) for _, p in requests]
+
+        # Copied, not spliced: with the socket's send queue kept full by the pipeline, each
+        # splice round waits on it while a copy fills it in one call; 0.5 MiB WRITEs
+        # pipelined to a node ran at ~3.9 GB/s copied against ~2.0 spliced (2-core Xeon,
+        # 3 runs each, 2026-12-02).
+        async def send(i: int) -> None:
+            try:
+                await _send_frame(loop, self._sock, framing.KIND_REQUEST, requests[i][0],
+                                  views[i])
+            except (OSError, ValueError) as exc:
+                raise TransportError(f"tcp pipeline send failed: {exc}") from exc
+
+        async def receive() -> Reply:
+            try:
+                kind, rheader, payload_len = await _recv_head(loop, self._sock, _RESPONSES)
+                payload = framing.response_landing(None, payload_len)  # acks: bounded, fresh
+                await _recv_exact(loop, self._sock, payload)
+            except (OSError, ValueError) as exc:
+                raise TransportError(f"tcp pipeline receive failed: {exc}") from exc
+            return kind == framing.KIND_OK, rheader, payload
+
+        async with self._lock:
+            if self._broken:
+                raise TransportError("connection is closed")
+            try:
+                answers = await run_pipeline(len(requests), send, receive, before_send,
+                                             on_reply)
+            except BaseException:  # broken, cancelled, or before_send raised: mid-frame
+                self._close(abortive=True)
+                raise
+            if any(isinstance(a, RemoteError) and len(v) for a, v in zip(answers, views)):
+                self._close(abortive=False)  # the peer drops a refused frame's stream
+            return answers
 
     def _close(self, abortive: bool) -> None:
         if self._broken:

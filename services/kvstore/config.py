@@ -30,6 +30,10 @@ class MasterConfig:
     max_lease_s: float = 3600.0  # a PutStart lease above this is refused
     max_node_capacity: int = 1024 * GiB  # a RegisterNode claiming more is refused
     max_batch_keys: int = 8192  # keys per call: a 131k-token prompt at 16-token blocks
+    # entries per BatchPutStart / BatchPutEnd / BatchPutRevoke: each entry of a BatchPutStart
+    # places, may evict and is written to Redis under the master's one lock, so the bound is
+    # well under max_batch_keys (a step's blocks fit: 1,024 x 16 tokens)
+    max_batch_puts: int = 1024
     max_replicas: int = 8  # replica_num above this is refused
     max_concurrent_rpcs: int = 1024  # more wait in no queue: RESOURCE_EXHAUSTED
     # The store secret (docs/kvstore-security.md): "" -> $PDSERVE_KV_STORE_SECRET_FILE, and
@@ -49,7 +53,8 @@ class MasterConfig:
                      "node_timeout_s", "sweep_interval_s", "max_lease_s", "token_max_age_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be positive and finite")
-        for name in ("max_node_capacity", "max_batch_keys", "max_concurrent_rpcs"):
+        for name in ("max_node_capacity", "max_batch_keys", "max_batch_puts",
+                     "max_concurrent_rpcs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.node_timeout_s <= self.heartbeat_interval_s:

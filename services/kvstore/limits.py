@@ -23,12 +23,16 @@ def check_key(key: bytes) -> None:
         raise ValueError(f"a key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
 
 
-def check_keys(keys, cfg: MasterConfig) -> list[bytes]:
-    if len(keys) > cfg.max_batch_keys:
-        raise ValueError(f"at most {cfg.max_batch_keys} keys per call, got {len(keys)}")
+def _keys_within(keys, most: int, what: str) -> list[bytes]:
+    if len(keys) > most:
+        raise ValueError(f"at most {most} {what} per call, got {len(keys)}")
     for k in keys:
         check_key(k)
     return list(keys)
+
+
+def check_keys(keys, cfg: MasterConfig) -> list[bytes]:
+    return _keys_within(keys, cfg.max_batch_keys, "keys")
 
 
 def check_lease(lease_s: float, cfg: MasterConfig) -> None:
@@ -45,6 +49,19 @@ def check_put_start(key: bytes, size: int, lease_s: float, replica_num: int,
     check_lease(lease_s, cfg)
     if replica_num > cfg.max_replicas:
         raise ValueError(f"replica_num must be <= {cfg.max_replicas}, got {replica_num}")
+
+
+def check_put_batch(entries, cfg: MasterConfig) -> None:
+    """A BatchPutStart: at most max_batch_puts entries, each checked as a PutStart."""
+    if len(entries) > cfg.max_batch_puts:
+        raise ValueError(f"at most {cfg.max_batch_puts} puts per call, got {len(entries)}")
+    for e in entries:
+        check_put_start(e.key, e.size, e.lease_s, e.replica_num, cfg)
+
+
+def check_put_keys(keys, cfg: MasterConfig) -> list[bytes]:
+    """A BatchPutEnd / BatchPutRevoke: at most max_batch_puts keys."""
+    return _keys_within(keys, cfg.max_batch_puts, "puts")
 
 
 def check_node(node_id: str, address: str, capacity: int, incarnation: str,

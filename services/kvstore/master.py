@@ -99,27 +99,44 @@ class MasterCore:
 
     async def put_start(self, key: bytes, size: int, lease_s: float,
                         replica_num: int = 0) -> PutStart:
-        if size <= 0:
-            raise ValueError("size must be positive")
-        check_lease(lease_s, self._cfg)  # the edge checked too; NaN would never expire
+        return (await self.put_start_many([(key, size, lease_s, replica_num)]))[0]
+
+    async def put_start_many(self, entries: list[tuple[bytes, int, float, int]]
+                             ) -> list[PutStart]:
+        """PutStart for each (key, size, lease_s, replica_num), in order, as if called one
+        after the other (a key twice: the second is EXISTS, first writer wins); one Redis
+        write for the whole batch. Every entry is checked before anything changes."""
+        for _, size, lease_s, _ in entries:
+            if size <= 0:
+                raise ValueError("size must be positive")
+            check_lease(lease_s, self._cfg)  # the edge checked too; NaN would never expire
         async with self._lock:
-            if key in self._objects:
-                return PutStart(PutStatus.EXISTS)
-            want = replica_num or self._cfg.replica_num
-            live = [n for n in self._nodes if self._alloc[n].capacity >= size]
-            if len(live) < want:
-                return PutStart(PutStatus.NOT_ENOUGH_NODES)
             evicted: list[bytes] = []
-            replicas = self._place(size, want, live, evicted)
+            started: list[ObjectMeta] = []
+            results = [self._start_one(*e, evicted, started) for e in entries]
             await self._meta.delete_objects(evicted, evicted=len(evicted))
-            if replicas is None:
-                return PutStart(PutStatus.NO_SPACE)
-            now = self._clock()
-            meta = ObjectMeta(key, size, replicas, ObjectState.PROCESSING, now + lease_s, now,
-                              now + self._cfg.put_timeout_s)
-            self._index(meta)
-            await self._meta.save_objects([meta])
-            return PutStart(PutStatus.OK, self._granted(replicas, WRITE, size, meta.put_deadline))
+            await self._meta.save_objects(started)
+            return results
+
+    def _start_one(self, key: bytes, size: int, lease_s: float, replica_num: int,
+                   evicted: list[bytes], started: list[ObjectMeta]) -> PutStart:
+        """(Under _lock.) Place one put in memory; its record joins `started` and the objects
+        it evicted join `evicted`, for the caller to write to Redis."""
+        if key in self._objects:
+            return PutStart(PutStatus.EXISTS)
+        want = replica_num or self._cfg.replica_num
+        live = [n for n in self._nodes if self._alloc[n].capacity >= size]
+        if len(live) < want:
+            return PutStart(PutStatus.NOT_ENOUGH_NODES)
+        replicas = self._place(size, want, live, evicted)
+        if replicas is None:
+            return PutStart(PutStatus.NO_SPACE)
+        now = self._clock()
+        meta = ObjectMeta(key, size, replicas, ObjectState.PROCESSING, now + lease_s, now,
+                          now + self._cfg.put_timeout_s)
+        self._index(meta)
+        started.append(meta)
+        return PutStart(PutStatus.OK, self._granted(replicas, WRITE, size, meta.put_deadline))
 
     def _granted(self, replicas: tuple[Replica, ...], op: bytes, size: int,
                  until: float) -> tuple[Replica, ...]:
@@ -176,24 +193,37 @@ class MasterCore:
         return None if best is None else best.key
 
     async def put_end(self, key: bytes) -> bool:
+        return (await self.put_end_many([key]))[0]
+
+    async def put_end_many(self, keys: list[bytes]) -> list[bool]:
+        """PutEnd for each key, in order (False: not being written); one Redis write."""
         async with self._lock:
-            meta = self._objects.get(key)
-            if meta is None or meta.state is not ObjectState.PROCESSING:
-                return False
-            meta = dataclasses.replace(meta, state=ObjectState.COMPLETE,
-                                       last_access=self._clock())
-            self._objects[key] = meta
-            await self._meta.save_objects([meta])
-            return True
+            now, ended, ok = self._clock(), [], []
+            for key in keys:
+                meta = self._objects.get(key)
+                ok.append(meta is not None and meta.state is ObjectState.PROCESSING)
+                if ok[-1]:
+                    meta = dataclasses.replace(meta, state=ObjectState.COMPLETE, last_access=now)
+                    self._objects[key] = meta
+                    ended.append(meta)
+            await self._meta.save_objects(ended)
+            return ok
 
     async def put_revoke(self, key: bytes) -> bool:
+        return (await self.put_revoke_many([key]))[0]
+
+    async def put_revoke_many(self, keys: list[bytes]) -> list[bool]:
+        """PutRevoke for each key, in order: a write in progress is dropped and its space
+        freed (False: not being written); one Redis write."""
         async with self._lock:
-            meta = self._objects.get(key)
-            if meta is None or meta.state is not ObjectState.PROCESSING:
-                return False
-            self._drop(key)
-            await self._meta.delete_objects([key])
-            return True
+            ok = []
+            for key in keys:
+                meta = self._objects.get(key)
+                ok.append(meta is not None and meta.state is ObjectState.PROCESSING)
+                if ok[-1]:
+                    self._drop(key)
+            await self._meta.delete_objects([k for k, good in zip(keys, ok) if good])
+            return ok
 
     async def remove(self, keys: list[bytes], force: bool = False) -> int:
         async with self._lock:

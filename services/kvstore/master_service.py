@@ -95,6 +95,23 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
         return pb.PutRevokeResponse(ok=await self._core.put_revoke(request.key))
 
     @_checked
+    async def BatchPutStart(self, request, context):
+        limits.check_put_batch(request.entries, self._cfg)
+        started = await self._core.put_start_many(
+            [(e.key, e.size, e.lease_s, e.replica_num) for e in request.entries])
+        return pb.BatchPutStartResponse(results=[convert.put_start_to_pb(p) for p in started])
+
+    @_checked
+    async def BatchPutEnd(self, request, context):
+        keys = limits.check_put_keys(request.keys, self._cfg)
+        return pb.BatchPutEndResponse(ok=await self._core.put_end_many(keys))
+
+    @_checked
+    async def BatchPutRevoke(self, request, context):
+        keys = limits.check_put_keys(request.keys, self._cfg)
+        return pb.BatchPutRevokeResponse(ok=await self._core.put_revoke_many(keys))
+
+    @_checked
     async def GetReplicaList(self, request, context):
         limits.check_key(request.key)
         return convert.replica_list_to_pb(await self._core.get_replicas(request.key))

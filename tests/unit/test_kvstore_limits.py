@@ -51,3 +51,23 @@ def test_config_refuses_non_finite_bounds():
         MasterConfig(max_lease_s=math.inf)
     with pytest.raises(ValueError):
         MasterConfig(read_lease_s=math.nan)
+
+
+def test_put_batches_are_bounded_and_each_entry_checked():
+    from types import SimpleNamespace as E
+
+    cfg = MasterConfig(max_lease_s=100.0, max_node_capacity=1 << 20, max_batch_puts=2)
+    ok = E(key=b"k", size=10, lease_s=1.0, replica_num=1)
+    limits.check_put_batch([ok, ok], cfg)
+    with pytest.raises(ValueError, match="at most 2 puts"):
+        limits.check_put_batch([ok] * 3, cfg)
+    with pytest.raises(ValueError, match="lease_s"):
+        limits.check_put_batch([ok, E(key=b"k", size=10, lease_s=math.nan, replica_num=1)],
+                               cfg)
+    assert limits.check_put_keys([b"a", b"b"], cfg) == [b"a", b"b"]
+    with pytest.raises(ValueError, match="at most 2 puts"):
+        limits.check_put_keys([b"a"] * 3, cfg)
+    with pytest.raises(ValueError, match="key must be"):
+        limits.check_put_keys([b""], cfg)
+    with pytest.raises(ValueError, match="max_batch_puts"):
+        MasterConfig(max_batch_puts=0)
