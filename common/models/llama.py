@@ -104,7 +104,7 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta, residual=x)
         return self.mlp(self.post_attention_layernorm(h), residual=h)
 
-    def packed(self) -> Optional[PackedLayer]:
+    def as_native_layer(self) -> Optional[PackedLayer]:
         """This layer as native calls (packed_layer.py) when all four linears kept their GGUF
         blocks (one rank: tp_size 1 keeps them packed) and the norms are fp32; else None."""
         attn, mlp = self.self_attn, self.mlp
@@ -197,12 +197,12 @@ class LlamaForCausalLM(nn.Module):
         """Run the RMSNorms through the native CPU kernels (common/attention/cpu_native.py):
         one pass per row instead of torch's five ops. For an fp32 model on the CPU only.
         Where every layer of this stage is packed and the packed kernels built, small steps
-        run each layer as native calls (DecoderLayer.packed)."""
+        run each layer as native calls (DecoderLayer.as_native_layer)."""
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.native = native
         gemm = load_packed_kernels()
-        layers = [self.layers[i].packed() for i in self.layer_range]
+        layers = [self.layers[i].as_native_layer() for i in self.layer_range]
         if gemm is not None and layers and all(p is not None for p in layers):
             self._packed_layers, self._packed_gemm = layers, gemm
             self._rms_norm = native.rms_norm
