@@ -164,11 +164,11 @@ def summarize_runs(runs: list[dict]) -> dict:
 def add_multiturn_subcommand(sub) -> None:
     p = sub.add_parser("multiturn", help="multi-turn ShareGPT chat, KV reuse on vs off")
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--prefill", type=int, default=1)
-    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--prefill", type=int, default=2)
+    p.add_argument("--decode", type=int, default=2)
     p.add_argument("--conversations", type=int, default=4, help="run at once, interleaved")
     p.add_argument("--turns", type=int, default=3, help="user turns per conversation")
-    p.add_argument("--max-tokens", type=int, default=32, help="per answer")
+    p.add_argument("--max-tokens", type=int, default=256, help="per answer")
     p.add_argument("--max-chars", type=int, default=1200, help="a user turn is cut to this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1,
