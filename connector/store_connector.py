@@ -65,7 +65,6 @@ from typing import Literal, Optional
 import torch
 
 from pdserve.common.engine.kv_connector import KVConnector
-from pdserve.common.engine.request import RequestStatus
 from pdserve.connector.codec import BlockCodec, BlockCodecError
 from pdserve.connector.io_thread import IOThread
 from pdserve.connector.layout import HeadShards
@@ -86,8 +85,8 @@ class ConnectorConfig:
     lease_s: float = 30.0  # stored blocks are not evicted for this long
     load_timeout_s: float = 10.0  # a load taking longer fails (and is recomputed)
     max_inflight: int = 8  # parallel block reads of a load (puts are batched, save_io.py)
-    reuse: bool = True  # prefill also loads, decode also saves finished requests
-    save_budget_bytes: int = 64 << 20  # decode's finish-time saves: encoded bytes in flight
+    reuse: bool = True  # prefill also loads, decode also saves the blocks it computes
+    save_budget_bytes: int = 64 << 20  # decode's saves: encoded bytes in flight
     # objects per block, each a run of layers (connector/segments.py): > 1 puts a step's first
     # layers while its later layers compute; every engine sharing a store must agree
     layer_segments: int = 1
@@ -220,8 +219,7 @@ class StoreKVConnector(PipelinedSaves, SaveIO, KVConnector):
 
     def _may_save(self, request) -> bool:
         return (self.saves_output and self.config.save_budget_bytes > 0
-                and request.kv_transfer.store_output
-                and request.status != RequestStatus.CANCELLED)
+                and request.kv_transfer.store_output)
 
     def request_preempted(self, request, block_ids) -> None:
         """Nothing to copy: every full block a request computed here was copied out in the
@@ -252,13 +250,13 @@ class StoreKVConnector(PipelinedSaves, SaveIO, KVConnector):
             if not self._stages(req):
                 continue
             c = req.num_computed_tokens
-            if c and self.produces and req.request_id not in self._started:
-                # first chunk after a local hit (decode's own blocks were saved as they filled)
+            if self.produces and req.request_id not in self._started:
+                # its first chunk: back its local hits up (decode saves only what it computes)
+                self._started.add(req.request_id)
                 local = min(c // bs, self._store_from.get(req.request_id, c // bs))
                 if local:  # (blocks loaded from the store are there already)
                     self._start_backfill(req.request_id, req.block_hashes[:local],
                                          block_ids[:local])
-            self._started.add(req.request_id)
             for i in range(c // bs, (c + n) // bs):
                 staged.append((req.request_id, req.block_hashes[i], block_ids[i]))
         reserved = 0
@@ -360,7 +358,6 @@ class StoreKVConnector(PipelinedSaves, SaveIO, KVConnector):
                     for key, block_id in zip(keys[have:], block_ids[have:]):
                         blocks.append((key, self._encode_payloads(
                             self.heads.read_block(block_id))))
-                self._freed.discard(rid)
         except Exception as exc:  # noqa: BLE001 - save what was encoded; never leak
             self._note_failure("backfill:" + type(exc).__name__)
         await self._put_blocks(blocks, [rid])
