@@ -27,10 +27,9 @@ The contenders:
   per object, the WRITEs pipelined on one connection.
 - `tcp+cap+mac`: `tcp+cap`, plus each block's MAC as the connector computes it on its save
   path (connector/save_io.py): BlockCodec.header (HMAC-SHA256 one-time key from a fresh
-  nonce, then GMAC over header and payload, connector/codec.py, format version 4) on one
-  worker thread, the GIL released (connector/gmac.py), in chunks that grow 1, 2, 4, ...
-  objects (one hand-off to the worker per chunk); each object is sent once its chunk is
-  sealed, so every MAC is inside the timed loop, overlapping the sends before it.
+  nonce, then GMAC over header and payload, connector/codec.py, format version 4), on the
+  loop just before each object is sent (save_io.InlineSeals), so every MAC is inside the
+  timed loop, overlapping the node's receive of the objects before it.
 - `tcp+cap+poly1305`, `tcp+cap+hmac`: the same with the previous constructions, for
   comparison: Poly1305 under a one-time key (format version 3, connector/poly1305.py) and
   HMAC-SHA256 over the payload (format version 2, hashlib; both release the GIL).
@@ -39,7 +38,8 @@ The MAC contenders write each block's header into its first 128 bytes and send `
 like the others. No contender talks to a master: the BatchPutStart/BatchPutEnd round trips
 of a real put (two per batch) are outside the timed loop; `--breakdown` measures them (with a
 real master on a local redis-server, where one is installed) next to the other parts of a
-put: the MAC alone, the hand-off to the worker, the capability checks, the copies.
+put: the MAC alone, a hand-off to a worker thread (what an offloaded MAC would pay), the
+capability checks, the copies.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="blocking|polling|thread|thread-polling; default: UcxConfig's")
     p.add_argument("--store-path", choices=("batched", "single"), default="batched",
                    help="tcp+cap contenders: the store path as the connector uses it (batched: "
-                        "a step's objects sealed in chunks on a worker and their WRITEs "
+                        "a step's objects, each sealed just before it is sent, their WRITEs "
                         "pipelined on one connection, each with its capability) or the "
                         "one-object-at-a-time path before batching")
     p.add_argument("--batch-objects", type=int, default=32,

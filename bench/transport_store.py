@@ -3,10 +3,10 @@ connector drives it (connector/save_io.py, connector/kvstore/batch_put.py).
 
 `--store-path batched` (the default): objects go in batches of `--batch-objects` (a step's
 blocks), each object in its own buffer of a ring (the staging buffers), the way a put_many
-sends them: its headers (the block MACs) sealed on one worker thread in growing chunks
-(save_io.seal_chunks, the same function), a capability signed per object (as the master's
+sends them: each header (its block MAC) sealed on the loop just before its object goes out
+(save_io.InlineSeals, the same class), a capability signed per object (as the master's
 BatchPutStart grants each replica), and the node's WRITEs pipelined on one connection
-(Connection.pipeline, the same call), each sent once its chunk is sealed. The node checks
+(Connection.pipeline, the same call). The node checks
 every capability before a byte lands; a refused write fails the benchmark. The master's two
 round trips per batch are not part of this loop (no master runs here): `--breakdown`
 measures them against a real master.
@@ -66,17 +66,16 @@ def write_header(size: int) -> bytes:
 
 def batched_sender(conn, mac_kind: str, batch: int):
     """send_many(ring, count): `count` objects from the ring's buffers, batch by batch."""
-    from pdserve.connector.io_thread import IOThread
-    from pdserve.connector.save_io import seal_chunks
+    from pdserve.connector.save_io import InlineSeals
     from pdserve.connector.transport import RemoteError
 
-    codec, io = mac_codec(mac_kind), IOThread("bench-io")  # io: its worker thread only
+    codec = mac_codec(mac_kind)
 
     async def send_many(ring: list, count: int) -> None:
         for at in range(0, count, batch):
             views = [ring[(at + j) % len(ring)] for j in range(min(batch, count - at))]
             objs = [(b"k" * 32, v) for v in views]
-            sealed = seal_chunks(io, codec, objs) if codec is not None and views else None
+            sealed = InlineSeals(codec, objs) if codec is not None else None
 
             async def ready(i: int) -> None:
                 if sealed is not None:
@@ -84,7 +83,7 @@ def batched_sender(conn, mac_kind: str, batch: int):
             answers = await conn.pipeline([(write_header(len(v)), v) for v in views], ready)
             if any(isinstance(a, RemoteError) for a in answers):
                 raise RuntimeError(f"the node refused a write: {answers}")
-    send_many.close = io.close
+    send_many.close = lambda: None
     return send_many
 
 

@@ -15,8 +15,9 @@ the CPU's carry-less multiply, ~2x Poly1305 and ~3x HMAC-SHA256 per core here, a
 PRF-derived key per block is the one-time-authenticator pattern of ChaCha20-Poly1305; why it is
 sound is in docs/kvstore-security.md. Without a block secret the MAC key is a public
 constant: still an integrity check, no longer an authenticity one.
-`header` and `decode` release the GIL while they hash the payload (connector/gmac.py), so
-the connector runs them on its I/O worker while its loop moves other blocks.
+`header` and `decode` hash the payload with the GIL held, in pieces (connector/gmac.py): the
+connector runs `header` on its I/O loop just before a block is sent and `decode` on its I/O
+worker, never on the engine thread.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class BlockCodec:
     def _tag(self, nonce: bytes, unsigned_header: bytes, payload: memoryview) -> bytes:
         """The GMAC tag, under a key for this block alone, of header and payload."""
         one_time_key = hmac.digest(self.mac_key, _OTK_LABEL + nonce, "sha256")  # HMAC-SHA256
-        return gmac_tag(one_time_key, (unsigned_header, payload))  # GIL free
+        return gmac_tag(one_time_key, (unsigned_header, payload))
 
     def header(self, key: bytes, payload: memoryview) -> bytes:
         """The header of a block holding `payload`, its MAC computed under a fresh nonce."""

@@ -4,10 +4,9 @@ Lifecycle: `IOThread()` starts the thread and its loop; `submit(coro)` schedules
 from any thread and returns a concurrent future; `close()` cancels what is pending, stops the
 loop and joins the thread. The engine thread never awaits: it submits and later polls results.
 
-`offload(fn, *args)` (from a coroutine on the loop) runs a CPU-bound call that releases the GIL
-(a block's MAC, connector/gmac.py) on one worker thread, so the loop keeps moving other
-blocks' bytes meanwhile: the MAC of one block overlaps the send of the one before it. One
-worker: calls run in submission order, and never more than one core goes to them.
+`offload(fn, *args)` (from a coroutine on the loop) runs a CPU-bound call (checking loaded
+blocks' MACs) on one worker thread, so the loop can answer other I/O between its GIL-holding
+pieces. One worker: calls run in submission order, and never more than one core goes to them.
 """
 
 from __future__ import annotations

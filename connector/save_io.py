@@ -2,11 +2,10 @@
 
 A step's objects of one layer segment go to the store in one `put_many` (two master round
 trips for all of them, each node's writes pipelined on one connection: the store client's
-batch_put.py). Their headers, with the block MACs, are written on the I/O worker in chunks
-that grow 1, 2, 4, ... objects up to SEAL_CHUNK_BYTES (`seal_chunks`): the first object is
-ready soon, the later ones share one hand-off to the worker (a wake-up costs ~70-90 us on a
-loaded 2-core VM, more than the GMAC of a 0.7 MB block at 12 GB/s), and each chunk's MACs
-are computed while the objects before it are on the wire.
+batch_put.py). Each object's header, with its block MAC, is written on the loop just before
+the object is sent (`InlineSeals`), while the node receives the objects before it: the MAC
+(~33 us for a 0.7 MB block, connector/gmac.py) costs less than a hand-off to a worker thread
+(~70-90 us on a loaded 2-core VM), and on two cores a worker had no core of its own anyway.
 
 The host class provides `store`, `segments`, `config`, `io`, `stats`, `_lock`, `_saving`,
 `_saved`, `_freed`, `_budget_used` and `_note_failure` (store_connector.py).
@@ -17,39 +16,42 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from collections.abc import Sequence
 from typing import Optional
 
 from pdserve.connector.codec import HEADER_SIZE, BlockCodec
-from pdserve.connector.io_thread import IOThread
 from pdserve.connector.staging import Block, StagedStep, staged_blocks
 from pdserve.connector.store import put_stored
 
-# The most bytes of objects one hand-off to the worker seals. Bigger chunks, fewer hand-offs:
-# pipelined 0.7 MB blocks with their MACs ran 2.2 GB/s at 1 MiB (a hand-off per block),
-# 2.7-3.1 at 4 MiB and 3.1-3.3 at 16 MiB (2-core Xeon, 3 interleaved runs, 2026-12-02).
-SEAL_CHUNK_BYTES = 16 << 20
 
 
-def _seal(codec: BlockCodec, objs: list[tuple[bytes, memoryview]]) -> None:
-    """(On the I/O worker.) Write each object's header, its MAC over its payload."""
-    for key, view in objs:
-        view[:HEADER_SIZE] = codec.header(key, view[HEADER_SIZE:])
+class InlineSeals(Sequence):
+    """`ready` for put_many: `ready[i]` writes object i's header (its MAC, codec.header) on the
+    caller's thread the first time it is asked for, and is then a done future (awaitable by
+    every replica's write). So each MAC runs just before its object is sent, while the node
+    receives the objects before it. A slice (put_many splits a call into batches) shares what
+    is sealed with the whole."""
 
+    def __init__(self, codec: BlockCodec, objs: list[tuple[bytes, memoryview]],
+                 _sealed: Optional[list[bool]] = None, _at: Optional[range] = None):
+        self._codec, self._objs = codec, objs
+        self._sealed = [False] * len(objs) if _sealed is None else _sealed
+        self._at = range(len(objs)) if _at is None else _at
+        self._done = asyncio.get_running_loop().create_future()
+        self._done.set_result(None)
 
-def seal_chunks(io: IOThread, codec: BlockCodec,
-                objs: list[tuple[bytes, memoryview]]) -> list[asyncio.Future]:
-    """Start writing the objects' headers (codec.header) on the I/O worker, in order, in
-    growing chunks; per object, the future of its chunk (awaited before its bytes are sent).
-    The objects are of one size (one layer segment's)."""
-    futures: list[asyncio.Future] = []
-    size = len(objs[0][1]) if objs else 1
-    at, n, most = 0, 1, max(1, SEAL_CHUNK_BYTES // size)
-    while at < len(objs):
-        chunk = objs[at:at + n]
-        fut = asyncio.ensure_future(io.offload(_seal, codec, chunk))
-        futures += [fut] * len(chunk)
-        at, n = at + len(chunk), min(2 * n, most)
-    return futures
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return InlineSeals(self._codec, self._objs, self._sealed, self._at[i])
+        j = self._at[i]
+        if not self._sealed[j]:
+            key, view = self._objs[j]
+            view[:HEADER_SIZE] = self._codec.header(key, view[HEADER_SIZE:])
+            self._sealed[j] = True
+        return self._done
 
 
 class SaveIO:
@@ -102,18 +104,15 @@ class SaveIO:
 
     async def _put_objects(self, s: int, objs: list[tuple[bytes, memoryview]]) -> list[bool]:
         """Put objects of segment s (store key, encoded view, header still blank) in one
-        put_many, their headers sealed on the I/O worker meanwhile; which stored."""
+        put_many, each header sealed just before its object goes out; which stored."""
         if not objs:
             return []
         t0, codec = time.perf_counter(), self.segments.codecs[s]
-        sealed = seal_chunks(self.io, codec, objs)
         try:
             results = await self.store.put_many(objs, lease_s=self.config.lease_s,
-                                                ready=sealed)
+                                                ready=InlineSeals(codec, objs))
         except Exception as exc:  # noqa: BLE001 - the store is down: every put failed
             results = [exc] * len(objs)
-        finally:  # no worker still writes a header once the caller has its buffers back
-            await asyncio.gather(*set(sealed), return_exceptions=True)
         ok = [self._stored(r) for r in results]
         self.stats.bytes_saved += sum(ok) * codec.nbytes
         self.stats.save_seconds += time.perf_counter() - t0

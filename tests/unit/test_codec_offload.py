@@ -1,5 +1,6 @@
-"""The connector's save path computes each block's MAC (BlockCodec.header) on the I/O
-thread's worker, not on the loop that sends the blocks, and what it stores verifies."""
+"""The connector's save path computes each block's MAC (BlockCodec.header) once, on its I/O
+thread's loop (just before the block is sent), never on the engine thread that staged it, and
+what it stores verifies."""
 
 import threading
 from dataclasses import dataclass, field
@@ -21,7 +22,11 @@ class _Recording(BlockCodec):
         return super().header(key, payload)
 
 
-def test_save_macs_on_the_io_worker_and_the_blocks_verify():
+async def _thread_name() -> str:
+    return threading.current_thread().name
+
+
+def test_save_macs_on_the_io_loop_once_per_block_and_the_blocks_verify():
     codec = _Recording("0f" * 32, 2, 4, 2, 8)
     store = InMemoryBlockStore()
     conn = StoreKVConnector(store, codec, ConnectorConfig(role="producer"))
@@ -38,7 +43,9 @@ def test_save_macs_on_the_io_worker_and_the_blocks_verify():
         conn.io.run(conn._put_blocks(blocks_in, ["r"] * len(keys)), timeout=30)
         assert conn.get_finished()[0] == {"r"}
         assert len(codec.threads) == len(keys)
-        assert all(name.startswith("kv-connector-io-cpu") for name in codec.threads)
+        io_loop = conn.io.run(_thread_name(), timeout=30)
+        assert io_loop != threading.current_thread().name
+        assert codec.threads == [io_loop] * len(keys)
         for key, block in zip(keys, blocks):
             got = codec.decode(key, memoryview(bytearray(store.objects[key])))
             assert torch.equal(got, block)

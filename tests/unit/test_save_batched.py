@@ -1,5 +1,5 @@
-"""The connector's save path batches: one put_many per layer segment of a step, the headers
-(MACs) sealed on the I/O worker in growing chunks, each object awaited only once sealed,
+"""The connector's save path batches: one put_many per layer segment of a step, each header
+(MAC) sealed on the loop just before its object is sent,
 and a store's per-item failures counted per block."""
 
 import asyncio
@@ -7,8 +7,7 @@ import asyncio
 import torch
 
 from pdserve.connector.codec import HEADER_SIZE, BlockCodec
-from pdserve.connector.io_thread import IOThread
-from pdserve.connector.save_io import SEAL_CHUNK_BYTES, seal_chunks
+from pdserve.connector.save_io import InlineSeals
 from pdserve.connector.staging import staged_blocks
 from pdserve.connector.store import InMemoryBlockStore
 from pdserve.connector.store_connector import ConnectorConfig, StoreKVConnector
@@ -79,29 +78,30 @@ def test_per_item_failures_fail_only_their_blocks():
         conn.close()
 
 
-def test_seal_chunks_grow_and_seal_every_header_in_order():
-    io = IOThread()
-    n = 40
+def test_inline_seals_seal_each_header_once_when_first_asked_for_slices_included():
+    n = 6
     bufs = [bytearray(CODEC.nbytes) for _ in range(n)]
     objs = [(bytes([i]) * 32, memoryview(b)) for i, b in enumerate(bufs)]
 
     async def main():
-        futs = seal_chunks(io, CODEC, objs)
-        await asyncio.gather(*futs)
-        return futs
+        seals = InlineSeals(CODEC, objs)
+        assert len(seals) == n and all(v[:HEADER_SIZE] == bytes(HEADER_SIZE) for _, v in objs)
+        await seals[2]
+        sealed = [v[:HEADER_SIZE] != bytes(HEADER_SIZE) for _, v in objs]
+        assert sealed == [False, False, True, False, False, False]  # nothing ahead of need
+        first = bytes(objs[2][1][:HEADER_SIZE])
+        await seals[2]  # a second replica's write: no new nonce, the same header
+        assert bytes(objs[2][1][:HEADER_SIZE]) == first
+        tail = seals[3:]  # put_many's batches: a slice shares the state of the whole
+        assert len(tail) == 3
+        await tail[0]
+        await tail[2]
+        await seals[3]
+        sealed = [v[:HEADER_SIZE] != bytes(HEADER_SIZE) for _, v in objs]
+        assert sealed == [False, False, True, True, False, True]
+        for i in (0, 1, 4):
+            await seals[i]
 
-    try:
-        futs = io.run(main(), timeout=30)
-        sizes = [sum(1 for f in futs if f is u) for u in dict.fromkeys(futs)]
-        most = max(1, SEAL_CHUNK_BYTES // CODEC.nbytes)
-        want, left, k = [], n, 1
-        while left:
-            want.append(min(k, left))
-            left -= want[-1]
-            k = min(2 * k, most)
-        assert sizes == want and sizes[:3] == [1, 2, 4]
-        for key, view in objs:
-            assert view[:HEADER_SIZE] != bytes(HEADER_SIZE)
-            CODEC.decode(key, view)  # the MAC verifies
-    finally:
-        io.close()
+    asyncio.run(main())
+    for key, view in objs:
+        CODEC.decode(key, view)  # every MAC verifies
