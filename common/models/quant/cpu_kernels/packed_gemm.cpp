@@ -409,37 +409,30 @@ inline void dot_tile(const Gemm& g, int64_t n, int64_t m0) {
 }
 
 
-#if defined(__F16C__)
-// Q4_0 / Q4_1 at few activation rows (decode) by table lookup. A block's 16 possible weights
-// are a table, table[q] = fma(d, q, m) (Q4_1) or d * (q - 8) (Q4_0): the values expand()
-// computes per element, bit for bit. Each weight is then one lane of a vpermps:
-// - AVX-512: the table is one vector, and vpermps reads only the low 4 bits of each index lane,
-//   so the widened bytes index the low nibbles unmasked: 1 widening, 1 shift, 2 permutes and
-//   1 FMA per 32 weights, where converting the nibbles to floats took ~3x the uops.
-// - AVX2: vpermps indexes 8 lanes (low 3 bits), so the table is two vectors (q 0..7, 8..15),
-//   and each 8 weights are two permutes and a blend on bit 3 of the nibble (shifted up to the
-//   sign bit, which is all vblendvps reads).
+#if defined(__AVX512F__)
+// Q4_0 / Q4_1 at few activation rows (decode, AVX-512) by table lookup. A block's 16 possible
+// weights are one vector, table[q] = fma(d, q, m) (Q4_1) or d * (q - 8) (Q4_0): the values
+// expand() computes per element, bit for bit. Each weight is then one lane of a vpermps (which
+// reads only the low 4 bits of each index lane, so the widened bytes index the low nibbles
+// unmasked): 1 widening, 1 shift, 2 permutes and 1 FMA per 32 weights, where converting the
+// nibbles to floats took ~3x the uops.
 // The table's d (and m) come straight from the block header: one 4-byte broadcast [d, m], one
 // conversion, two in-lane shuffles (d in every lane, m in every lane). On the Zen 5 this ran
-// 1.3-1.6x faster per row than widening a row's scales into a buffer first (copied out one row
-// ahead, then read back as broadcasts): the buffer's copy and widening cost as much as a third
-// of a 576-wide row.
+// 1.2-1.4x faster (30 SmolLM2 layers at M = 1) than widening a row's scales into a buffer
+// first (copied out one row ahead, then read back as broadcasts): the buffer's copy and
+// widening cost as much as a third of a 576-wide row.
+// The AVX2 build keeps the expansion (expand()): an 8-lane lookup needs two permutes and a
+// blend per 8 weights (the table is two vectors), and ran 1.5x slower than expanding on the
+// same machine (git history: the AVX2 lookup of 0f44d7b).
 template <int64_t QT>
 inline vec q4_table_d(const uint8_t* b, vec& m) {  // -> d in every lane; m: m in every lane
   uint32_t dm;
   std::memcpy(&dm, b, 4);
-#if defined(__AVX512F__)
   const vec both = _mm512_cvtph_ps(_mm256_set1_epi32(static_cast<int>(dm)));  // [d, m, d, m ..]
   m = _mm512_permute_ps(both, 0x55);
   return _mm512_permute_ps(both, 0x00);
-#else
-  const vec both = _mm256_cvtph_ps(_mm_set1_epi32(static_cast<int>(dm)));
-  m = _mm256_permute_ps(both, 0x55);
-  return _mm256_permute_ps(both, 0x00);
-#endif
 }
 
-#if defined(__AVX512F__)
 // Rows m0 .. m0 + R of output column n. Two blocks per iteration into separate accumulators,
 // so consecutive blocks' FMA chains overlap.
 template <int64_t QT, int R>
@@ -475,49 +468,6 @@ inline void dot_q4_lut(const Gemm& g, int64_t n, int64_t m0) {
   for (int r = 0; r < R; ++r)
     g.store(m0 + r, n, vsum(vadd(vadd(acc[r][0], acc[r][1]), vadd(acc[r][2], acc[r][3]))));
 }
-#else
-// The AVX2 lookup of 8 weights: nibbles in the low 4 bits of each lane of `q` (higher bits
-// ignored but for the blend), `sign` = q shifted so that the nibble's bit 3 is the sign bit.
-inline vec lut8(__m256 lo, __m256 hi, __m256i q, __m256i sign) {
-  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, q), _mm256_permutevar8x32_ps(hi, q),
-                          _mm256_castsi256_ps(sign));
-}
-
-// Rows m0 .. m0 + R of output column n: weights 0 .. 7 and 8 .. 15 are the low nibbles of
-// bytes 0 .. 7 and 8 .. 15 (bit 3 shifted up by 28), weights 16 .. 31 their high nibbles
-// (bit 7 shifted up by 24).
-template <int64_t QT, int R>
-inline void dot_q4_lut(const Gemm& g, int64_t n, int64_t m0) {
-  const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256 q_lo = QT == kQ4_1 ? iota : _mm256_sub_ps(iota, _mm256_set1_ps(8.f));
-  const __m256 q_hi = _mm256_add_ps(q_lo, _mm256_set1_ps(8.f));  // exact small integers
-  vec acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = vzero();
-  const uint8_t* wr = g.w + n * g.row_bytes;
-  const int64_t nb = g.K / QK;
-  for (int64_t i = 0; i < nb; ++i) {
-    const uint8_t* b = wr + i * block_bytes(QT);
-    vec m;
-    const vec d = q4_table_d<QT>(b, m);
-    const vec lo = QT == kQ4_1 ? _mm256_fmadd_ps(d, q_lo, m) : _mm256_mul_ps(d, q_lo);
-    const vec hi = QT == kQ4_1 ? _mm256_fmadd_ps(d, q_hi, m) : _mm256_mul_ps(d, q_hi);
-    const uint8_t* qs = b + (QT == kQ4_1 ? 4 : 2);
-    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
-    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
-    const vec w[4] = {lut8(lo, hi, b0, _mm256_slli_epi32(b0, 28)),
-                      lut8(lo, hi, b1, _mm256_slli_epi32(b1, 28)),
-                      lut8(lo, hi, _mm256_srli_epi32(b0, 4), _mm256_slli_epi32(b0, 24)),
-                      lut8(lo, hi, _mm256_srli_epi32(b1, 4), _mm256_slli_epi32(b1, 24))};
-    for (int r = 0; r < R; ++r) {
-      const float* xr = g.x + (m0 + r) * g.sx + i * QK;
-      for (int j = 0; j < 4; ++j) acc[r][j] = vfma(w[j], vload(xr + j * VL), acc[r][j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    g.store(m0 + r, n, vsum(vadd(vadd(acc[r][0], acc[r][1]), vadd(acc[r][2], acc[r][3]))));
-}
-#endif
 
 // Rows ahead of the one being multiplied whose bytes are requested (prefetcht0): a decode step
 // reads every weight once, from L3 or DRAM, and each GEMM is short (a few hundred KB per
