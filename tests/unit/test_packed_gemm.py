@@ -45,6 +45,26 @@ def test_native_expansion_is_bit_identical_to_gguf(qtype):
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_decode_kernel_weights_are_bit_identical_to_gguf(qtype, m):
+    """Under 4 rows (the decode path: Q4_0 / Q4_1 by table lookup in the AVX-512 and scalar
+    builds, expanded in registers in the AVX2 build, as Q8_0 in all) with one-hot activation rows, each output is one weight times 1 plus zeros, so it is that
+    weight exactly: the kernel's weights equal gguf-py's dequantize bit for bit (+0 for -0), in
+    whichever build runs here (test_packed_gemm_narrow_isa.py runs this under AVX2 and scalar)."""
+    native = load_packed_kernels()
+    assert native is not None, "the packed kernels must build on this machine"
+    n, k = 21, 608  # 19 blocks a row: an odd block count and a partial vector of scales
+    w, ref = make_weight(qtype, n, k, seed=m)
+    got = torch.empty(n, k)
+    for k0 in range(0, k, m):
+        cols = torch.arange(k0, min(k0 + m, k))
+        x = torch.zeros(len(cols), k)
+        x[torch.arange(len(cols)), cols] = 1.0
+        got[:, cols] = native.packed_gemm(x, w.data, int(qtype)).T
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("m,n,k", SHAPES, ids=lambda s: str(s))
 def test_native_kernel_matches_fp32_gemm(qtype, m, n, k):
     native = load_packed_kernels()

@@ -416,50 +416,41 @@ inline void dot_tile(const Gemm& g, int64_t n, int64_t m0) {
 // reads only the low 4 bits of each index lane, so the widened bytes index the low nibbles
 // unmasked): 1 widening, 1 shift, 2 permutes and 1 FMA per 32 weights, where converting the
 // nibbles to floats took ~3x the uops.
-//
-// The fp16 scales (and mins) of a weight row are widened 16 per conversion into an fp32 buffer,
-// which the blocks then read as broadcast memory operands (load ports, no shuffles). They are
-// copied out of the blocks one row ahead: a vector load right after the scalar stores that
-// filled it would wait for them (no store forwarding from several narrow stores to one load).
+// The table's d (and m) come straight from the block header: one 4-byte broadcast [d, m], one
+// conversion, two in-lane shuffles (d in every lane, m in every lane). On the Zen 5 this ran
+// 1.2-1.4x faster (30 SmolLM2 layers at M = 1) than widening a row's scales into a buffer
+// first (copied out one row ahead, then read back as broadcasts): the buffer's copy and
+// widening cost as much as a third of a 576-wide row.
+// The AVX2 build keeps the expansion (expand()): an 8-lane lookup needs two permutes and a
+// blend per 8 weights (the table is two vectors), and ran 1.5x slower than expanding on the
+// same machine (git history: the AVX2 lookup of 0f44d7b).
 template <int64_t QT>
-struct Q4Scales {
-  static constexpr int S = QT == kQ4_1 ? 2 : 1;  // fp16 values per block header: d (and m)
-  int64_t nb, nh;  // blocks per row, halves per row rounded up to whole vectors
-  std::vector<uint16_t> h;  // two rows of raw halves: the next row's, the current one's
-  std::vector<float> f;     // the current row's, widened
-  explicit Q4Scales(int64_t K)
-      : nb(K / QK), nh((K / QK * S + 15) / 16 * 16), h(2 * nh, 0), f(nh) {}
-  void copy(const Gemm& g, int64_t n, int slot) {
-    const uint8_t* wr = g.w + n * g.row_bytes;
-    uint16_t* dst = h.data() + slot * nh;
-    for (int64_t i = 0; i < nb; ++i) std::memcpy(dst + S * i, wr + i * block_bytes(QT), 2 * S);
-  }
-  void widen(int slot) {
-    const uint16_t* src = h.data() + slot * nh;
-    for (int64_t j = 0; j < nh; j += 16)
-      _mm512_storeu_ps(f.data() + j, _mm512_cvtph_ps(_mm256_loadu_si256(
-                                         reinterpret_cast<const __m256i*>(src + j))));
-  }
-};
+inline vec q4_table_d(const uint8_t* b, vec& m) {  // -> d in every lane; m: m in every lane
+  uint32_t dm;
+  std::memcpy(&dm, b, 4);
+  const vec both = _mm512_cvtph_ps(_mm256_set1_epi32(static_cast<int>(dm)));  // [d, m, d, m ..]
+  m = _mm512_permute_ps(both, 0x55);
+  return _mm512_permute_ps(both, 0x00);
+}
 
-// Rows m0 .. m0 + R of output column n, the row's scales widened in `f`. Two blocks per
-// iteration into separate accumulators, so consecutive blocks' FMA chains overlap.
+// Rows m0 .. m0 + R of output column n. Two blocks per iteration into separate accumulators,
+// so consecutive blocks' FMA chains overlap.
 template <int64_t QT, int R>
-inline void dot_q4_lut(const Gemm& g, const float* f, int64_t n, int64_t m0) {
+inline void dot_q4_lut(const Gemm& g, int64_t n, int64_t m0) {
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 lut_q = QT == kQ4_1 ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(8.f));
-  constexpr int S = Q4Scales<QT>::S;
   vec acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = vzero();
   const uint8_t* wr = g.w + n * g.row_bytes;
   const int64_t nb = g.K / QK;
   auto block = [&](int64_t i, int a) {
-    const vec table = QT == kQ4_1
-                          ? _mm512_fmadd_ps(_mm512_set1_ps(f[2 * i]), lut_q, _mm512_set1_ps(f[2 * i + 1]))
-                          : _mm512_mul_ps(_mm512_set1_ps(f[i]), lut_q);
+    const uint8_t* b = wr + i * block_bytes(QT);
+    vec m;
+    const vec d = q4_table_d<QT>(b, m);
+    const vec table = QT == kQ4_1 ? _mm512_fmadd_ps(d, lut_q, m) : _mm512_mul_ps(d, lut_q);
     const __m512i q = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + i * block_bytes(QT) + 2 * S)));
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (QT == kQ4_1 ? 4 : 2))));
     const vec w0 = _mm512_permutexvar_ps(q, table);
     const vec w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
     for (int r = 0; r < R; ++r) {
@@ -479,33 +470,30 @@ inline void dot_q4_lut(const Gemm& g, const float* f, int64_t n, int64_t m0) {
 }
 
 // Rows ahead of the one being multiplied whose bytes are requested (prefetcht0): a decode step
-// reads every weight once, from L3 or DRAM, and each GEMM is too short (a few hundred KB per
-// thread) for the hardware prefetcher's ramp-up to hide that.
+// reads every weight once, from L3 or DRAM, and each GEMM is short (a few hundred KB per
+// thread) for the hardware prefetcher's ramp-up. On the Zen 5 (2 threads, 30 layers' Q4_1 at
+// M = 1) 6 rows ran 2.7 ms where none ran 4.0 and 12 rows 3.7 (one locked run each, noisy).
 constexpr int64_t kRowsAhead = 6;
 
 template <int64_t QT>
 void q4_lut_columns(const Gemm& g, int64_t n0, int64_t n1) {
-  Q4Scales<QT> sc(g.K);
-  sc.copy(g, n0, 0);
   for (int64_t n = n0; n < std::min(n1, n0 + kRowsAhead); ++n)
-    for (int64_t b = 0; b < g.row_bytes; b += 64) __builtin_prefetch(g.w + n * g.row_bytes + b, 0, 3);
+      for (int64_t b = 0; b < g.row_bytes; b += 64) __builtin_prefetch(g.w + n * g.row_bytes + b, 0, 3);
   for (int64_t n = n0; n < n1; ++n) {
-    const int slot = static_cast<int>((n - n0) & 1);
     if (n + kRowsAhead < n1)
       for (int64_t b = 0; b < g.row_bytes; b += 64)
         __builtin_prefetch(g.w + (n + kRowsAhead) * g.row_bytes + b, 0, 3);
-    if (n + 1 < n1) sc.copy(g, n + 1, slot ^ 1);
-    sc.widen(slot);
     int64_t m = 0;
-    for (; m + 2 <= g.M; m += 2) dot_q4_lut<QT, 2>(g, sc.f.data(), n, m);
-    if (m < g.M) dot_q4_lut<QT, 1>(g, sc.f.data(), n, m);
+    for (; m + 2 <= g.M; m += 2) dot_q4_lut<QT, 2>(g, n, m);
+    if (m < g.M) dot_q4_lut<QT, 1>(g, n, m);
   }
 }
+#define PDSERVE_Q4_LUT 1
 #endif
 
 template <int64_t QT>
 void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
-#if defined(__AVX512F__)
+#if defined(PDSERVE_Q4_LUT)
   if constexpr (QT == kQ4_0 || QT == kQ4_1) {
     q4_lut_columns<QT>(g, n0, n1);
     return;
@@ -575,7 +563,28 @@ void gemm_panels(const Gemm& g, int64_t n0, int64_t n1, float* scratch) {
   }
 }
 #else
-// Plain C++: each block expanded to a float[32] (the compiler vectorizes what it can).
+// Q4_0 / Q4_1 block at b by table lookup, the plain C++ form of the vector builds' lookup:
+// the block's 16 possible weights (the values expand_scalar computes, bit for bit), then one
+// load per weight.
+template <int64_t QT>
+inline void expand_q4_lut(const uint8_t* b, float* w) {
+  float t[16];
+  const float d = half_at(b);
+  if constexpr (QT == kQ4_1) {
+    const float m = half_at(b + 2);
+    for (int q = 0; q < 16; ++q) t[q] = std::fma(d, static_cast<float>(q), m);
+  } else {
+    for (int q = 0; q < 16; ++q) t[q] = d * static_cast<float>(q - 8);
+  }
+  const uint8_t* qs = b + (QT == kQ4_1 ? 4 : 2);
+  for (int j = 0; j < 16; ++j) {
+    w[j] = t[qs[j] & 0x0F];
+    w[j + 16] = t[qs[j] >> 4];
+  }
+}
+
+// Plain C++: each block expanded to a float[32] (the compiler vectorizes what it can); Q4_0 /
+// Q4_1 by table lookup.
 template <int64_t QT>
 void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
   float w[QK];
@@ -586,7 +595,10 @@ void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
       float acc[QK] = {};
       const float* xr = g.x + m * g.sx;
       for (int64_t b = 0; b < nb; ++b) {
-        expand_scalar<QT>(wr + b / subs(QT) * block_bytes(QT), b % subs(QT), w);
+        if constexpr (QT == kQ4_0 || QT == kQ4_1)
+          expand_q4_lut<QT>(wr + b * block_bytes(QT), w);
+        else
+          expand_scalar<QT>(wr + b / subs(QT) * block_bytes(QT), b % subs(QT), w);
         for (int j = 0; j < QK; ++j) acc[j] += w[j] * xr[b * QK + j];
       }
       float s = 0.f;
