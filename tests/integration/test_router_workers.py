@@ -4,6 +4,7 @@ enforces its share of the limits, and SIGTERM stops all of them
 (services/router/workers.py)."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -43,6 +44,22 @@ async def _start(fake: FakeInstance, port: int, *extra: str) -> subprocess.Popen
     raise RuntimeError(f"workers seen: {seen}")
 
 
+@contextlib.asynccontextmanager
+async def _router(tokens: int, *extra: str):
+    """A fake instance streaming `tokens` per request, and `serve router --workers 2` over
+    it; yields (HTTP port, the supervisor's process); stops both at the end."""
+    fake = await FakeInstance.start(tokens=tokens, model="tiny")
+    proc = None
+    try:
+        port = free_port("127.0.0.1")
+        proc = await _start(fake, port, *extra)
+        yield port, proc
+    finally:
+        if proc is not None and proc.poll() is None:
+            _stop(proc)
+        await fake.stop()
+
+
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(x) for x in f.read().split()]
@@ -73,10 +90,7 @@ def test_two_workers_answer_and_metrics_sum_over_them():
 
 
 async def _two_workers():
-    fake = await FakeInstance.start(tokens=3, model="tiny")
-    port = free_port("127.0.0.1")
-    proc = await _start(fake, port)
-    try:
+    async with _router(3) as (port, proc):
         workers = _children(proc.pid)
         assert len(workers) == 2  # the supervisor serves nothing itself
         statuses = await asyncio.gather(*(_complete(port) for _ in range(12)))
@@ -91,10 +105,7 @@ async def _two_workers():
         pids = {int(line.split('pid="')[1].split('"')[0]) for line in text.splitlines()
                 if line.startswith("pdserve_router_requests_in_flight{")}
         assert len(pids) == 2
-    finally:
-        rc = _stop(proc)
-        await fake.stop()
-    assert rc == 0
+        assert _stop(proc) == 0
     for pid in workers:  # SIGTERM to the supervisor ended every worker
         assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
 
@@ -110,16 +121,11 @@ def test_each_worker_enforces_its_share_of_a_rate_limit():
 
 async def _rate_share():
     # a burst of 2 for the stack (refilled at 0.01/s): each worker lets 1 through, its share
-    fake = await FakeInstance.start(tokens=1, model="tiny")
-    port = free_port("127.0.0.1")
-    proc = await _start(fake, port, "--rate-limit-rps", "0.01", "--rate-limit-burst", "2")
-    try:
+    async with _router(1, "--rate-limit-rps", "0.01", "--rate-limit-burst", "2") as (port, proc):
         # a connection each: 40 reach both workers but with odds of 2 ** -39
         statuses = [await _complete(port) for _ in range(40)]
         assert statuses.count(200) == 2 and statuses.count(429) == 38
-    finally:
         assert _stop(proc) == 0
-        await fake.stop()
 
 
 def test_a_dead_worker_takes_the_router_down():
@@ -127,17 +133,10 @@ def test_a_dead_worker_takes_the_router_down():
 
 
 async def _dead_worker():
-    fake = await FakeInstance.start(tokens=1, model="tiny")
-    port = free_port("127.0.0.1")
-    proc = await _start(fake, port)
-    try:
+    async with _router(1) as (_, proc):
         os.kill(_children(proc.pid)[0], signal.SIGKILL)
         for _ in range(600):  # and it stopped the other worker
             if proc.poll() is not None:
                 break
             await asyncio.sleep(0.1)  # (the fake instance runs on this loop)
         assert proc.returncode == 1
-    finally:
-        if proc.poll() is None:
-            _stop(proc)
-        await fake.stop()
