@@ -7,6 +7,11 @@ For each batch size B: B random prompts of --input-len tokens are prefilled, the
 median per B, then one JSON line {"decode_step_ms": {B: ms}, "cpu": ...}. The engine is the one
 `pdserve serve` runs with the same flags (bench/offline_engine.py; --weights too: give
 `--weights fp32` against a `--weights fp32` stack).
+
+`--beside-load BUSY_MS/PERIOD_MS` runs, in a separate process for the whole measurement, one
+thread that spins BUSY_MS out of every PERIOD_MS (e.g. 3/15: a fifth of a core): what a router,
+a client and an event loop do beside a served engine's forward on the same cores, so a served
+step's slowdown from that foreign CPU can be reproduced offline.
 """
 
 from __future__ import annotations
@@ -16,7 +21,25 @@ import json
 import platform
 import random
 import statistics
+import subprocess
+import sys
 import time
+
+# the --beside-load process: spin busy seconds out of every period seconds, until killed
+_SPIN = ("import sys,time\nb,p=float(sys.argv[1]),float(sys.argv[2])\nwhile True:\n"
+         " t=time.perf_counter()\n while time.perf_counter()-t<b: pass\n"
+         " time.sleep(max(0.0,p-(time.perf_counter()-t)))\n")
+
+
+def parse_beside_load(text: str) -> tuple[float, float]:
+    """'BUSY_MS/PERIOD_MS' -> (busy_s, period_s), with 0 < busy <= period."""
+    try:
+        busy, period = (float(x) / 1e3 for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--beside-load wants BUSY_MS/PERIOD_MS, got {text!r}") from None
+    if not 0 < busy <= period:
+        raise ValueError(f"--beside-load needs 0 < BUSY_MS <= PERIOD_MS, got {text!r}")
+    return busy, period
 
 
 def main(argv=None) -> int:
@@ -32,12 +55,14 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--num-threads", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--beside-load", default="", metavar="BUSY_MS/PERIOD_MS",
+                    help="a foreign CPU load in another process while timing (see above)")
     args = ap.parse_args(argv)
+    load = parse_beside_load(args.beside_load) if args.beside_load else None
     import torch
 
     torch.set_num_threads(args.num_threads)
     from pdserve.common.engine.llm import LLM
-    from pdserve.common.sampling_params import SamplingParams
 
     # the engine a served instance runs with these flags, its KV sized to the largest batch
     llm = LLM(served_engine_config(args, args.weights, args.kv_cache_dtype, max(args.batch),
@@ -47,6 +72,23 @@ def main(argv=None) -> int:
         raise ValueError(f"--batch {max(args.batch)} exceeds max_num_seqs "
                          f"{llm.engine.config.scheduler.max_num_seqs}: raise --max-num-seqs")
     vocab = core.model_config.vocab_size
+    beside = None if load is None else subprocess.Popen(
+        [sys.executable, "-c", _SPIN, str(load[0]), str(load[1])])
+    try:
+        res = _time_batches(args, core, rng, vocab)
+    finally:
+        if beside is not None:
+            beside.kill()
+            beside.wait()
+    print(json.dumps({"decode_step_ms": res, "temperature": args.temperature,
+                      "num_threads": args.num_threads, "beside_load": args.beside_load,
+                      "cpu": platform.processor() or platform.machine()}), flush=True)
+    return 0
+
+
+def _time_batches(args, core, rng, vocab) -> dict:
+    from pdserve.common.sampling_params import SamplingParams
+
     res = {}
     for b in args.batch:
         params = SamplingParams(max_tokens=args.decode_steps + 2, temperature=args.temperature,
@@ -63,10 +105,7 @@ def main(argv=None) -> int:
                 times.append(dt)
         res[b] = statistics.median(times) * 1e3
         print(f"batch {b}: decode step {res[b]:.1f} ms (median of {len(times)})", flush=True)
-    print(json.dumps({"decode_step_ms": res, "temperature": args.temperature,
-                      "num_threads": args.num_threads, "cpu": platform.processor()
-                      or platform.machine()}), flush=True)
-    return 0
+    return res
 
 
 if __name__ == "__main__":

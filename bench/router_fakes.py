@@ -31,6 +31,7 @@ class _State:
     prefixes: set = field(default_factory=set)
     fail_after: int | None = None
     delay_s: float = 0.0  # before the first token
+    model: str = "fake"  # the model name Health reports (a router checks it)
 
 
 class _Servicer(pb_grpc.DecodeServiceServicer, pb_grpc.PrefillServiceServicer):
@@ -38,7 +39,7 @@ class _Servicer(pb_grpc.DecodeServiceServicer, pb_grpc.PrefillServiceServicer):
         self.s = state
 
     async def Health(self, request, context):
-        return pb.HealthResponse(status=pb.HealthResponse.SERVING, model="fake",
+        return pb.HealthResponse(status=pb.HealthResponse.SERVING, model=self.s.model,
                                  role=self.s.role, max_model_len=4096, vocab_size=50000,
                                  model_fingerprint=FINGERPRINT, block_size=BLOCK_SIZE)
 
@@ -83,9 +84,10 @@ class FakeInstance:
 
     @classmethod
     async def start(cls, role: str = "unified", tokens: int = 1,
-                    delay_s: float = 0.0) -> "FakeInstance":
-        """`delay_s`: how long Decode waits before its first token."""
-        state = _State(role, tokens, delay_s=delay_s)
+                    delay_s: float = 0.0, model: str = "fake") -> "FakeInstance":
+        """`delay_s`: how long Decode waits before its first token; `model`: the name its
+        Health reports."""
+        state = _State(role, tokens, delay_s=delay_s, model=model)
         server = grpc.aio.server()
         servicer = _Servicer(state)
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)

@@ -42,12 +42,19 @@ for T in 1.0 0.0; do
         > "$OUT/profile.txt" 2>&1 &
       PROF=$!
     fi
+    if [ "$T" = 1.0 ] && [ "$RATE" = 2 ]; then
+      $PY -m pdserve.bench.serve_step_trace --engine "$ENGINE" --after-first-step 600 \
+        --delay 2 --duration "${TRACE_S:-30}" --poll-ms 40 > "$OUT/trace.txt" 2>&1 &
+      TRACE=$!
+    fi
     $PDS bench serve "${W[@]}" --rate "$RATE" --temperature "$T" \
       --out-dir "$OUT/serve-t$T-r$RATE" | tail -1 | sed "s/^/serve t=$T rate=$RATE /"
   done
 done
 wait "${PROF:-}" 2>/dev/null || true
+wait "${TRACE:-}" 2>/dev/null || true
 echo "profile:"; cat "$OUT/profile.txt"
+echo "steps at rate 2:"; cat "$OUT/trace.txt"
 kill -TERM $UP; wait $UP || true
 trap - EXIT
 for T in 0.0 1.0; do
@@ -56,5 +63,8 @@ for T in 0.0 1.0; do
     --no-prefix-caching | tail -1 \
     | sed "s/^/offline t=$T /"
 done
-$PY -m pdserve.bench.offline_step --weights fp32 --batch 2 4 8 16 32 64 --num-threads 2 | tail -1 \
+OS=(--weights fp32 --num-threads 2 --no-prefix-caching --temperature 1.0)
+$PY -m pdserve.bench.offline_step "${OS[@]}" --batch 2 4 8 16 32 48 64 | tail -1 \
   | sed "s/^/offline decode step /"
+$PY -m pdserve.bench.offline_step "${OS[@]}" --batch 16 64 \
+  --beside-load "${BESIDE_LOAD:-3/15}" | tail -1 | sed "s/^/offline decode step, beside load /"

@@ -62,20 +62,36 @@ def process_cpu_s(pid: int) -> float:
 
 
 def _snapshot(addr: str, tls_dir: str, role: str) -> dict:
-    from google.protobuf.json_format import MessageToDict
-
-    from pdserve.common.rpc import engine_pb2 as pb
     from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
-    from pdserve.common.engine.step_profile import StepProfile
+
+    with _channel(addr, tls_dir, role) as ch:
+        return _read_profile(pb_grpc.DecodeServiceStub(ch))
+
+
+def snapshot_fn(addr: str, tls_dir: str, role: str):
+    """A StepProfile reader over one channel kept open (for frequent polls); the channel
+    lives as long as the returned function."""
+    from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.DecodeServiceStub(_channel(addr, tls_dir, role))
+    return lambda: _read_profile(stub)
+
+
+def _channel(addr: str, tls_dir: str, role: str):
     from pdserve.services.common.tls import TlsConfig, open_channel
 
     tls = TlsConfig.from_dir(tls_dir, "client") if tls_dir else TlsConfig()
-    with open_channel(addr, tls, role, aio=False) as ch:
-        load = pb_grpc.DecodeServiceStub(ch).GetLoad(pb.LoadRequest(), timeout=5)
-    got = MessageToDict(load.profile, preserving_proto_field_name=True)
+    return open_channel(addr, tls, role, aio=False)
+
+
+def _read_profile(stub) -> dict:
+    from pdserve.common.engine.step_profile import StepProfile
+    from pdserve.common.rpc import engine_pb2 as pb
+
+    prof = stub.GetLoad(pb.LoadRequest(), timeout=5).profile
     keys = [k for k in StepProfile().snapshot() if k != "last_step_tokens"]
     keys += [f"{c}_ns" for c in CPU_FIELDS]
-    return {k: int(got.get(k, 0)) for k in keys}
+    return {k: int(getattr(prof, k)) for k in keys}
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,11 @@ cProfile and writes its stats there at the end (read with `python -m pstats FILE
     python -m pdserve.bench.serve_router_cpu [--streams 64] [--tokens 128] [--rounds 3]
 
 Prints each round, then one JSON line (cpu_ms_per_token: the median over rounds).
+
+`--workers N` runs the router as `pdserve serve router --workers N` instead (N router
+processes on one port, services/router/workers.py; N = 1: the plain CLI router): the CPU is
+then summed over its processes, and each round's tokens/s shows whether more than one core
+was used.
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ import time
 CHILD = [sys.executable, "-m", "pdserve.bench.serve_router_cpu"]
 
 
-async def _serve_fake(tokens: int) -> None:
+async def _serve_fake(tokens: int, model: str) -> None:
     from pdserve.bench.router_fakes import FakeInstance
 
-    fake = await FakeInstance.start(tokens=tokens)
+    fake = await FakeInstance.start(tokens=tokens, model=model)
     print(json.dumps({"address": fake.address}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     await fake.stop()
@@ -64,19 +69,47 @@ def _router_main(address: str, profile: str) -> None:
 
 
 def _cpu_s(pid: int) -> float:
+    """CPU of pid and its live children (a --workers supervisor's workers)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return own + sum(_cpu_s(int(c)) for c in f.read().split())
 
 
-async def _stream(http, chat: bool, tokens: int, i: int) -> int:
+def _start_cli_router(address: str, workers: int) -> tuple[subprocess.Popen, dict]:
+    """`serve router --workers N` over the fake; returns once /health answers."""
+    import httpx
+
+    from pdserve.services.launcher import free_port
+
+    port = free_port("127.0.0.1")
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.services.cli_serve", "serve",
+                             "router", "--model", "tiny", "--backends", address, "--port",
+                             str(port), "--grpc-port", "-1", "--workers", str(workers)],
+                            stdin=subprocess.DEVNULL)
+    for _ in range(1200):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the router exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                time.sleep(2.0 * workers)  # the other workers finish their start
+                return proc, {"port": port, "pid": proc.pid}
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.terminate()
+    raise RuntimeError("the router did not answer /health")
+
+
+async def _stream(http, chat: bool, tokens: int, i: int, model: str) -> int:
     """One streamed request; the tokens' worth of text events it received."""
     prompt = [100 + i, 200, 300, 400]
     if chat:
         url, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
     else:
         url, body = "/v1/completions", {"prompt": prompt}
-    body.update(model="fake", max_tokens=tokens, stream=True, ignore_eos=True)
+    body.update(model=model, max_tokens=tokens, stream=True, ignore_eos=True)
     events = 0
     async with http.stream("POST", url, json=body) as resp:
         resp.raise_for_status()
@@ -93,18 +126,21 @@ async def _rounds(port: int, pid: int, args) -> list[dict]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits,
                                  timeout=120) as http:
-        await _stream(http, args.chat, 4, 0)  # warm-up: connections, first-call imports
+        model = "tiny" if args.workers else "fake"  # the CLI router serves --model tiny
+        await _stream(http, args.chat, 4, 0, model)  # warm-up: connections, first-call imports
         for r in range(args.rounds):
             cpu, t = _cpu_s(pid), time.perf_counter()
-            events = await asyncio.gather(*(_stream(http, args.chat, args.tokens, i)
+            events = await asyncio.gather(*(_stream(http, args.chat, args.tokens, i, model)
                                             for i in range(args.streams)))
             cpu, wall = _cpu_s(pid) - cpu, time.perf_counter() - t
             tokens = args.streams * args.tokens
             out.append({"round": r, "tokens": tokens, "events": sum(events),
                         "router_cpu_s": cpu, "wall_s": wall,
                         "cpu_ms_per_token": cpu * 1e3 / tokens})
-            print(f"round {r}: {tokens} tokens ({sum(events)} text events) in {wall:.2f} s, "
-                  f"router CPU {cpu:.2f} s = {cpu * 1e3 / tokens:.3f} ms/token", flush=True)
+            out[-1]["tokens_per_s"] = tokens / wall
+            print(f"round {r}: {tokens} tokens ({sum(events)} text events) in {wall:.2f} s "
+                  f"({tokens / wall:.0f} tokens/s), router CPU {cpu:.2f} s = "
+                  f"{cpu * 1e3 / tokens:.3f} ms/token", flush=True)
     return out
 
 
@@ -118,20 +154,29 @@ def _start(cmd: list[str]) -> tuple[subprocess.Popen, dict]:
 
 
 def run(args) -> int:
-    fake, info = _start(CHILD + ["--fake", str(args.tokens)])
+    fake, info = _start(CHILD + ["--fake", str(args.tokens), "--fake-model",
+                                 "tiny" if args.workers else "fake"])
     router = None
     try:
-        router, rinfo = _start(CHILD + ["--router", info["address"]]
-                               + (["--profile", args.profile] if args.profile else []))
+        if args.workers:
+            router, rinfo = _start_cli_router(info["address"], args.workers)
+        else:
+            router, rinfo = _start(CHILD + ["--router", info["address"]]
+                                   + (["--profile", args.profile] if args.profile else []))
         rounds = asyncio.run(_rounds(rinfo["port"], rinfo["pid"], args))
     finally:
-        for p in (router, fake):
+        if router is not None and args.workers:
+            router.terminate()
+            router.wait(60)
+        for p in (fake,) if args.workers else (router, fake):
             if p is not None:
                 p.stdin.close()
                 p.wait(60)
     line = {"bench": "serve_router_cpu", "endpoint": "chat" if args.chat else "completions",
-            "streams": args.streams, "tokens": args.tokens, "rounds": rounds,
-            "cpu_ms_per_token": statistics.median(r["cpu_ms_per_token"] for r in rounds)}
+            "streams": args.streams, "tokens": args.tokens, "workers": args.workers,
+            "rounds": rounds,
+            "cpu_ms_per_token": statistics.median(r["cpu_ms_per_token"] for r in rounds),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rounds)}
     print(json.dumps(line))
     return 0
 
@@ -143,11 +188,15 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--chat", action="store_true", help="/v1/chat/completions")
     p.add_argument("--profile", default="", help="cProfile the router into this file")
+    p.add_argument("--workers", type=int, default=0,
+                   help="0: the router in its own process as before; N >= 1: `pdserve serve "
+                        "router --workers N`")
     p.add_argument("--fake", type=int, help=argparse.SUPPRESS)  # child: the fake instance
+    p.add_argument("--fake-model", default="fake", help=argparse.SUPPRESS)
     p.add_argument("--router", help=argparse.SUPPRESS)  # child: the router
     args = p.parse_args(argv)
     if args.fake is not None:
-        asyncio.run(_serve_fake(args.fake))
+        asyncio.run(_serve_fake(args.fake, args.fake_model))
         return 0
     if args.router:
         _router_main(args.router, args.profile)

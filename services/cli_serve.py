@@ -37,6 +37,11 @@ def add_subcommands(subparsers) -> None:
                     help="registry: engines register in a redis the launcher starts and the "
                          "router watches it; static: the router gets the address lists")
     up.add_argument("--replicas", type=int, default=1, help="colocated: unified engines")
+    from pdserve.services.router.config import RouterConfig
+
+    up.add_argument("--router-workers", type=int, default=RouterConfig.workers, metavar="N",
+                    help="router processes sharing its HTTP and gRPC ports (SO_REUSEPORT; "
+                         "services/router/workers.py says what they share)")
     up.add_argument("--router-arg", action="append", default=[], metavar="WORD",
                     help="one more word for the router's command line (repeatable), e.g. "
                          "--router-arg=--decode-policy --router-arg=round_robin")
@@ -71,6 +76,14 @@ def add_subcommands(subparsers) -> None:
                              "computes them")
     router.add_argument("--prefill-timeout", type=float, default=60.0,
                         help="seconds before a Prefill is given up and retried elsewhere")
+    router.add_argument("--workers", type=int, default=RouterConfig.workers, metavar="N",
+                        help="N > 1: this process starts N router processes that share the "
+                             "HTTP and gRPC ports (SO_REUSEPORT), each with 1/N of the "
+                             "admission and connection limits, metrics summed over them "
+                             "(services/router/workers.py)")
+    router.add_argument("--worker-index", type=int, default=RouterConfig.worker_index,
+                        help="set by the --workers supervisor on each worker it starts: this "
+                             "process is that worker (-1: not a worker)")
     from pdserve.services.router.cli_args import add_router_args
 
     add_router_args(router)  # routing, admission, fallback ladder, registry, API keys
@@ -283,10 +296,14 @@ def _run_router(args) -> int:
     from pdserve.services.router.server import run_router
 
     _setup_logging()
+    cfg = router_config(args, _addresses)
+    if cfg.workers > 1 and cfg.worker_index < 0:  # supervises the workers, serves nothing
+        from pdserve.services.router.workers import run_supervisor
+
+        return run_supervisor(cfg, args.argv)
     import torch  # the tokenizer loader imports it; keep it off the other services' cores
 
     torch.set_num_threads(1)
-    cfg = router_config(args, _addresses)
     asyncio.run(run_router(cfg))
     return 0
 
@@ -309,6 +326,7 @@ def run_parser(parser: argparse.ArgumentParser, argv=None) -> int:
     """Parse argv and run the chosen command; a config that refuses its settings (ValueError)
     becomes a usage error."""
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the words, for re-exec
     try:
         return args.func(args)
     except ValueError as exc:

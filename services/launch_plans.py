@@ -93,7 +93,8 @@ def plan_stack(args, log_dir: Path, tls_dir: str = "", secret_dir: str = "") -> 
                      f"{_budget_words(args, budget)}"))
     steps.append(_router(args, log_dir, addrs, store, registry, tls_dir, kv_secrets))
     rows.append(("router", f"{args.host}:{args.port}", "any",
-                 f"HTTP; gRPC :{args.grpc_port}; discovery {args.discovery}"))
+                 f"HTTP; gRPC :{args.grpc_port}; discovery {args.discovery}"
+                 + (f"; {args.router_workers} workers" if args.router_workers != 1 else "")))
     return Plan(steps, _layout(rows, engines), _banner(args, addrs, store, tls_dir))
 
 
@@ -211,6 +212,8 @@ def _router(args, log_dir: Path, addrs: dict, store: str, registry: str,
     if store:
         words += ["--kv-store", store, "--min-prefill-tokens", str(args.min_prefill_tokens),
                   "--kv-block-secret-file", kv_secrets.block]
+    if args.router_workers != 1:
+        words += ["--workers", str(args.router_workers)]
     words += tls_argv(tls_dir) + list(args.router_arg or ())
     child = Child("router", words, log_dir)
     return Step(child, lambda: http_ok(f"http://{args.host}:{args.port}/health"))

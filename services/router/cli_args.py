@@ -143,4 +143,5 @@ def router_config(args, addresses) -> RouterConfig:
         max_prefill_queue_tokens=args.max_prefill_queue_tokens, registry_url=args.registry,
         api_key_file=args.api_key_file, tenant_secret_file=args.tenant_secret_file,
         routing=routing, admission=admission, fallback=fallback, limits=limits,
-        tls=tls_from_args(args, "router"))
+        tls=tls_from_args(args, "router"), workers=args.workers,
+        worker_index=args.worker_index)

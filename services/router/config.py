@@ -50,6 +50,11 @@ class RouterConfig:
     limits: LimitsConfig = LimitsConfig()
     # Mutual TLS for the router's gRPC API and its channels to the engines; empty: plaintext
     tls: TlsConfig = TlsConfig()
+    # Processes serving this router's ports (services/router/workers.py): 1 -> this process
+    # serves alone; N > 1 -> this process supervises N workers that share the HTTP and gRPC
+    # ports (SO_REUSEPORT), each enforcing 1/N of the admission and connection limits.
+    workers: int = 1
+    worker_index: int = -1  # >= 0: this process is that worker of `workers` (set by the supervisor)
 
     def __post_init__(self):
         if not self.model:
@@ -75,6 +80,11 @@ class RouterConfig:
             raise ValueError(f"min_prefill_tokens must be >= 0, got {self.min_prefill_tokens}")
         if self.prefill_timeout_s <= 0 or self.kv_lookup_timeout_s <= 0:
             raise ValueError("prefill_timeout_s and kv_lookup_timeout_s must be > 0")
+        if not 1 <= self.workers <= 64:
+            raise ValueError(f"workers must be in [1, 64], got {self.workers}")
+        if not -1 <= self.worker_index < self.workers:
+            raise ValueError(f"worker_index must be in [-1, {self.workers}), got "
+                             f"{self.worker_index}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not -1 <= self.grpc_port < 65536:

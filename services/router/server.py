@@ -42,6 +42,7 @@ from pdserve.services.router.api.http_app import build_app
 from pdserve.services.router.api.http_protocol import head_timeout_protocol
 from pdserve.services.router.state import RouterState
 from pdserve.services.router.api.tokenizer_loader import load_tokenizer
+from pdserve.services.router.workers import per_worker, reuseport_socket, worker_metrics
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,12 @@ class RunningRouter:
 
 
 async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
-    metrics = RouterMetrics()
+    """With cfg.worker_index >= 0 this is one of cfg.workers processes sharing the ports
+    (services/router/workers.py): its share of the limits, SO_REUSEPORT, shared metrics."""
+    worker = cfg.worker_index >= 0
+    if worker:
+        cfg = per_worker(cfg)
+    metrics = worker_metrics() if worker else RouterMetrics()
     pool = _pool(cfg, metrics, cfg.backends, "decode")
     state = RouterState(cfg, tokenizer or load_tokenizer(cfg.model), pool, metrics, None,
                         Gate(cfg, metrics))
@@ -93,7 +99,8 @@ async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
     grpc_server, grpc_port, health = None, None, None
     if cfg.grpc_port >= 0:
         grpc_server = grpc.aio.server(
-            options=grpc_limits(cfg.limits.grpc_max_message_bytes),
+            options=grpc_limits(cfg.limits.grpc_max_message_bytes)
+            + ([("grpc.so_reuseport", 1)] if worker else []),
             maximum_concurrent_rpcs=cfg.limits.grpc_max_concurrent_rpcs)
         pb_grpc.add_RouterServicer_to_server(RouterServicer(state), grpc_server)
         health = add_standard_services(grpc_server, service_names((pb.DESCRIPTOR, "Router")),
@@ -112,7 +119,9 @@ async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
                                    timeout_keep_alive=lim.http_keep_alive_s,
                                    h11_max_incomplete_event_size=lim.http_max_header_bytes,
                                    http=head_timeout_protocol(lim.http_header_timeout_s)))
-    task = asyncio.create_task(http.serve(), name="uvicorn")
+    # a worker binds its own SO_REUSEPORT socket; uvicorn listens on it
+    sockets = [reuseport_socket(cfg.host, cfg.port)] if worker else None
+    task = asyncio.create_task(http.serve(sockets=sockets), name="uvicorn")
     while not http.started:
         if task.done():  # it failed to bind, say
             await task

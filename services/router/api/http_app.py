@@ -85,6 +85,8 @@ def build_app(state: RouterState) -> FastAPI:
         up, total = len(state.pool.healthy), len(state.pool.backends)
         body = {"status": "ok" if up else "unavailable", "healthy_instances": up,
                 "instances": total}
+        if state.config.worker_index >= 0:  # one of several router workers: which one
+            body["worker"] = state.config.worker_index
         return JSONResponse(body, status_code=200 if up else 503)
 
     @app.get("/metrics")
