@@ -22,6 +22,7 @@ are kept alive until they complete).
 from __future__ import annotations
 
 from collections import deque
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -69,10 +70,12 @@ class StageLink:
         elif self.mark_every_step:
             self._send(torch.zeros(1, device=self._device), 0, _LOGITS_TAG)
 
-    def recv_logits(self, num_rows: int) -> torch.Tensor:
+    def recv_logits(self, num_rows: int, width: Optional[int] = None) -> torch.Tensor:
         """Rank 0: the last stage's logits [num_rows, vocab] fp32 ([0, vocab] when nothing
-        was sampled: without a transfer, or after the end-of-step marker)."""
-        buf = torch.empty(num_rows, self._vocab, dtype=torch.float32, device=self._device)
+        was sampled: without a transfer, or after the end-of-step marker). `width`: the
+        columns the last stage sends when not vocab (a split head: pipeline_head.py)."""
+        buf = torch.empty(num_rows, width or self._vocab, dtype=torch.float32,
+                          device=self._device)
         if num_rows:
             dist.recv(buf, self._last_root, tag=_LOGITS_TAG)
         elif self.mark_every_step:

@@ -22,18 +22,22 @@ import torch
 
 from pdserve.common.distributed.executor import MultiProcExecutor, WorkerGroup
 from pdserve.common.distributed.pipeline import StageLink
+from pdserve.common.distributed.pipeline_head import Rank0Head
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.scheduler_output import SchedulerOutput
 
 
 class PipelineExecutor(MultiProcExecutor):
     def __init__(self, runner: ModelRunner, workers: WorkerGroup, link: StageLink,
-                 depth: int, kv_shards: Optional[list[list[torch.Tensor]]] = None):
+                 depth: int, kv_shards: Optional[list[list[torch.Tensor]]] = None,
+                 head: Optional[Rank0Head] = None):
         """`kv_shards`: every rank's caches in shared memory (a KV connector; kv_share.py),
         which it reads and writes only between steps: `link` then has the last stage mark
-        the end of every step (`collect` returns only once every stage wrote its layers)."""
+        the end of every step (`collect` returns only once every stage wrote its layers).
+        `head`: rank 0's rows of a split LM head (pipeline_head.py; the last stage then
+        sends its rows' logits and the hidden rows), None: the last stage sends logits."""
         super().__init__(runner, workers, kv_shards)
-        self.link, self.depth = link, depth
+        self.link, self.depth, self.head = link, depth, head
         self._started: deque[SchedulerOutput] = deque()
 
     def submit(self, out: SchedulerOutput) -> None:
@@ -51,10 +55,14 @@ class PipelineExecutor(MultiProcExecutor):
         if not self._started:
             raise RuntimeError("no step started")
         out = self._started.popleft()
+        rows = sum(c.sample for c in out.chunks)
         try:
-            return self.link.recv_logits(sum(c.sample for c in out.chunks))
+            if self.head is None:
+                return self.link.recv_logits(rows)
+            received = self.link.recv_logits(rows, self.head.received_width)
         except Exception as exc:
             self._failed(exc)
+        return self.head.join(received)  # [rows, V]
 
     def execute_model(self, out, layer_done=None) -> torch.Tensor:
         if layer_done is not None:  # rank 0 holds the first stage's layers only

@@ -108,6 +108,8 @@ def _join(spec: WorkerSpec, parent: int):
 def _build(spec: WorkerSpec, comm):
     from pdserve.common.distributed.layout import RankPlace, TensorParallel, pipeline_stage
     from pdserve.common.distributed.pipeline import StageLink
+    from pdserve.common.distributed.pipeline_head import (LastStageHead, head_cut,
+                                                          last_stage_inputs)
     from pdserve.common.models.dtype import resolve_dtype
     from pdserve.common.engine.model_runner import ModelRunner
     from pdserve.common.engine.rank_model import (allocate_kv_caches, build_rank_model,
@@ -126,7 +128,12 @@ def _build(spec: WorkerSpec, comm):
     place = RankPlace(spec.rank, par.tensor_parallel_size, par.pipeline_parallel_size)
     tp = TensorParallel(place.tp_rank, place.tp_size, comm if place.tp_size > 1 else None)
     pp = pipeline_stage(model_config.num_layers, place.stage, place.pp_size)
-    model = build_rank_model(cfg, model_config, weights, tp, device, pp)
+    cut = head_cut(cfg, model_config, device) if pp.is_last else 0
+    if cut:  # rank 0 computes vocabulary rows [0, cut) of the head (pipeline_head.py)
+        stage_config, weights = last_stage_inputs(model_config, weights, cut)
+        model = LastStageHead(build_rank_model(cfg, stage_config, weights, tp, device, pp))
+    else:
+        model = build_rank_model(cfg, model_config, weights, tp, device, pp)
     del weights  # keep only this rank's shard
     if spec.kv_path is not None:  # fp32 only: the engine refuses a half KV dtype with it
         from pdserve.common.distributed.kv_share import map_rank_kv

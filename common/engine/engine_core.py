@@ -234,7 +234,9 @@ class EngineCore:
             link = StageLink(RankPlace(0, tp_size, pp_size), cfg.hidden_size,
                              resolve_dtype(config.dtype, device), cfg.vocab_size, device,
                              mark_every_step=share_kv)
-            return PipelineExecutor(runner, workers, link, pp_size, shards)
+            from pdserve.common.distributed.pipeline_head import maybe_rank0_head
+            head = maybe_rank0_head(config, cfg, loaded.weights, device)
+            return PipelineExecutor(runner, workers, link, pp_size, shards, head)
         return MultiProcExecutor(runner, workers, shards)
 
     # -- requests -------------------------------------------------------------------------
