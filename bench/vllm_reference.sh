@@ -36,33 +36,24 @@ wait_up() {  # wait_up PID LOG
   tail -20 "$2"; return 1
 }
 
-run_vllm() {
-  LD_PRELOAD="$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null):$VLLM_VENV/lib/libiomp5.so" \
+measure() {  # measure NAME COMMAND...: start the server, run the client at both rates, stop it
+  local name=$1; shift
+  "$@" > "$OUT/$name-serve.log" 2>&1 &
+  SERVER_PID=$!
+  trap 'kill -TERM $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null || true' EXIT
+  wait_up $SERVER_PID "$OUT/$name-serve.log"
+  client "$name" 2; client "$name" inf
+  kill -TERM $SERVER_PID; wait $SERVER_PID 2>/dev/null || true
+  trap - EXIT
+}
+
+measure vllm env LD_PRELOAD="$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null):$VLLM_VENV/lib/libiomp5.so" \
   VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4 \
-    "$VLLM_VENV/bin/vllm" serve "$HF" --dtype float32 --no-enable-prefix-caching \
-    --served-model-name smollm2 --port "$PORT" > "$OUT/vllm-serve.log" 2>&1 &
-  local pid=$!
-  trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
-  wait_up $pid "$OUT/vllm-serve.log"
-  client vllm 2; client vllm inf
-  kill -TERM $pid; wait $pid 2>/dev/null || true
-  trap - EXIT
-}
-
-run_pdserve() {
-  $PDS up --mode colocated --num-threads 2 --cpus 0,1 --model smollm2 --weights fp32 \
-    --no-prefix-caching --insecure --port "$PORT" --grpc-port $((PORT + 1)) \
-    --discovery static --log-dir "$OUT/pdserve-logs" > "$OUT/pdserve-up.log" 2>&1 &
-  local pid=$!
-  trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
-  wait_up $pid "$OUT/pdserve-up.log"
-  client pdserve 2; client pdserve inf
-  kill -TERM $pid; wait $pid 2>/dev/null || true
-  trap - EXIT
-}
-
-run_vllm
-run_pdserve
+  "$VLLM_VENV/bin/vllm" serve "$HF" --dtype float32 --no-enable-prefix-caching \
+  --served-model-name smollm2 --port "$PORT"
+measure pdserve $PDS up --mode colocated --num-threads 2 --cpus 0,1 --model smollm2 \
+  --weights fp32 --no-prefix-caching --insecure --port "$PORT" --grpc-port $((PORT + 1)) \
+  --discovery static --log-dir "$OUT/pdserve-logs"
 $PY - "$OUT" <<'PYEOF'
 import json, os, platform, sys
 out = sys.argv[1]
