@@ -19,7 +19,7 @@ from pdserve.common.distributed.layout import (SINGLE, WHOLE_MODEL, PipelineStag
                                               kv_head_range)
 from pdserve.common.models.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                           RowParallelLinear)
-from pdserve.common.models.packed_layer import PackedLayer, PackedLinear
+from pdserve.common.models.packed_layer import DecodeStep, PackedLayer, PackedLinear
 from pdserve.common.models.quant.cpu_native import load_packed_kernels
 from pdserve.common.models.quant.embedding import PackedEmbedding
 from pdserve.common.models.quant.gemm import large_m
@@ -173,10 +173,14 @@ class LlamaForCausalLM(nn.Module):
             x = hidden_in
         cos_sin = self.rope.cos_sin(positions)
         attend = self._packed_attend(x, kv_caches, meta, cos_sin)
+        # a few decodes: each packed layer in one native call (packed_layer.py)
+        step = None if attend is None else DecodeStep.of(
+            meta.num_tokens, meta.num_decodes, meta.num_reqs, self._packed_gemm.fused_rows,
+            cos_sin, meta.slot_mapping, meta.block_tables, meta.seq_lens)
         for i, kv_cache in zip(self.layer_range, kv_caches):
             if attend is not None:  # the same kernels as the modules, called directly
                 x = self._packed_layers[i - self.layer_range.start].forward(
-                    self._packed_gemm, self._rms_norm, attend, x, kv_cache)
+                    self._packed_gemm, self._rms_norm, attend, x, kv_cache, step)
             else:
                 x = self.layers[i](cos_sin, x, kv_cache, meta)
             if layer_done is not None:

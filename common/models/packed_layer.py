@@ -1,5 +1,6 @@
 """A decoder layer whose four linears all hold packed GGUF weights, run on the CPU as seven
-native calls with their arguments prepared once at load.
+native calls with their arguments prepared once at load, or, for a step of a few decodes, as
+ONE native call (`packed_decode_layer`, quant/cpu_kernels/fused_layer.cpp).
 
 Why: at batch 1 a SmolLM2 step computes for ~10 ms, and the module path around the kernels
 (eight module calls per layer, each packed GEMM's dispatch checks, the attention backend's
@@ -8,12 +9,17 @@ per step over 30 layers. The calls here are the ones the module path makes (the 
 the same arguments, in the same order), so the output is bit-identical to it; the model takes
 this path only where the module path would reach exactly these kernels (`LlamaForCausalLM`:
 fp32 on the CPU, fewer rows than the packed kernel's switch point, the fused attention step).
+
+The one-call layer (a step of T < `fused_rows` tokens, all decodes) runs the same inner
+functions in one OpenMP region with barriers between phases, so its output is bit-identical to
+the seven calls; it saves the parallel regions' start-ups and the Python between them (~120
+regions per SmolLM2 step).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -22,6 +28,42 @@ from pdserve.common.models.quant.packed import PackedWeight
 # attend(qkv [T, (H + 2 kvh) d], kv_cache, scale, num_heads) -> [T, H, d]: rotary, KV write and
 # attention of one layer (AttentionBackend.fused_step)
 Attend = Callable[[torch.Tensor, torch.Tensor, float, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One step's attention inputs for the one-call layer, bound once per step: T decode
+    tokens, token r is request r."""
+
+    cos: torch.Tensor  # [T, d] fp32 contiguous
+    sin: torch.Tensor  # [T, d]
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [T, W] int32
+    seq_lens: torch.Tensor  # [T] int32
+
+    def __post_init__(self):
+        t = self.slot_mapping.shape[0]
+        if (self.cos.shape != self.sin.shape or self.cos.dim() != 2 or self.cos.shape[0] != t
+                or self.seq_lens.shape != (t,) or self.block_tables.shape[0] != t):
+            raise ValueError(f"decode step tensors disagree on T = {t}: cos "
+                             f"{tuple(self.cos.shape)}, seq_lens {tuple(self.seq_lens.shape)}, "
+                             f"block_tables {tuple(self.block_tables.shape)}")
+
+    @classmethod
+    def of(cls, num_tokens: int, num_decodes: int, num_reqs: int, fused_rows: int,
+           cos_sin: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
+           block_tables: torch.Tensor, seq_lens: torch.Tensor) -> Optional["DecodeStep"]:
+        """The step's inputs when it is 1 <= T < fused_rows decodes only, with the metadata
+        types the kernel reads (int64 slots, contiguous int32 tables), else None."""
+        t = num_tokens
+        if not (0 < t < fused_rows and num_decodes == num_reqs == t):
+            return None
+        if (slot_mapping.dtype != torch.int64 or block_tables.dtype != torch.int32
+                or seq_lens.dtype != torch.int32 or not block_tables.is_contiguous()
+                or not seq_lens.is_contiguous() or not slot_mapping.is_contiguous()):
+            return None
+        cos, sin = (c.reshape(t, -1).contiguous() for c in cos_sin)
+        return cls(cos, sin, slot_mapping, block_tables, seq_lens)
 
 
 @dataclass(frozen=True)
@@ -73,9 +115,12 @@ class PackedLayer:
             raise ValueError("gate_up must stack two equal halves [gate; up]")
 
     def forward(self, gemm, rms_norm, attend: Attend, x: torch.Tensor,
-                kv_cache: torch.Tensor) -> torch.Tensor:
+                kv_cache: torch.Tensor, step: Optional[DecodeStep] = None) -> torch.Tensor:
         """x [T, hidden] fp32 -> the layer's output [T, hidden]. `gemm`: the packed kernels'
-        module (quant/cpu_native.py); `rms_norm(x, weight, eps)`: the native RMSNorm."""
+        module (quant/cpu_native.py); `rms_norm(x, weight, eps)`: the native RMSNorm. With
+        `step` (this step's decodes, DecodeStep.of) the whole layer is one native call."""
+        if step is not None:
+            return self._decode(gemm, step, x, kv_cache)
         t = x.shape[0]
         qkv = self.qkv
         h = rms_norm(x, self.ln1, self.eps)
@@ -86,3 +131,12 @@ class PackedLayer:
         gu, down = self.gate_up, self.down
         g = gemm.packed_gemm_silu_mul(h, gu.data, gu.qtype, gu.bias)  # [T, I]
         return gemm.packed_gemm(g, down.data, down.qtype, down.bias, x)
+
+    def _decode(self, gemm, step: DecodeStep, x: torch.Tensor,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        qkv, o, gu, down = self.qkv, self.o, self.gate_up, self.down
+        return gemm.packed_decode_layer(
+            x, self.ln1, self.ln2, self.eps, qkv.data, qkv.qtype, qkv.bias, o.data, o.qtype,
+            o.bias, gu.data, gu.qtype, gu.bias, down.data, down.qtype, down.bias, step.cos,
+            step.sin, kv_cache, step.slot_mapping, step.block_tables, step.seq_lens, self.scale,
+            self.num_heads)

@@ -7,9 +7,10 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType as QT
 
-from pdserve.common.models.packed_layer import PackedLayer
+from pdserve.common.models.packed_layer import DecodeStep, PackedLayer
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.tests.unit.packed_helpers import (assert_same_greedy, engine,
                                                write_tiny_llama_gguf)
@@ -32,6 +33,18 @@ def write_gguf(path) -> None:
     write_tiny_llama_gguf(path, (H, HEADS, KV_HEADS, INTER, VOCAB), True, encode)
 
 
+def assert_equals_module_path(ours, prompts, params, fast) -> None:
+    """The same run through the module path gives the same tokens and EQUAL logprobs."""
+    model = ours.engine.model
+    saved, model._packed_layers = model._packed_layers, None
+    ours.engine.pool.reset_prefix_cache()
+    modules = ours.generate(prompts, params)
+    model._packed_layers = saved
+    for a, b in zip(fast, modules):
+        assert a.token_ids == b.token_ids
+        assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
+
+
 def test_packed_layers_equal_the_module_path_and_fp32(tmp_path):
     write_gguf(tmp_path / "m.gguf")
     ours = engine(tmp_path / "m.gguf", True)
@@ -46,13 +59,7 @@ def test_packed_layers_equal_the_module_path_and_fp32(tmp_path):
     prompts = [[3, 17, 42, 99, 5], [8, 1, 250, 7]]
     fast = ours.generate(prompts, params)
     assert len(calls) >= 10  # prompt steps and decode steps of the run took the path
-    saved, model._packed_layers = model._packed_layers, None
-    ours.engine.pool.reset_prefix_cache()
-    modules = ours.generate(prompts, params)
-    model._packed_layers = saved
-    for a, b in zip(fast, modules):
-        assert a.token_ids == b.token_ids
-        assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
+    assert_equals_module_path(ours, prompts, params, fast)
     assert_same_greedy(ours, engine(tmp_path / "m.gguf", False), VOCAB)
 
 
@@ -66,3 +73,61 @@ def test_packed_layer_rejects_inconsistent_shapes(tmp_path):
         PackedLayer(layer.ln1, layer.ln2[:8], layer.eps, layer.qkv, layer.o, layer.gate_up,
                     layer.down, num_heads=layer.num_heads, q_size=layer.q_size,
                     scale=layer.scale)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_one_call_layer_equals_the_module_path(tmp_path, batch):
+    """Steps of 1 or 3 decodes run each layer as one native call (packed_decode_layer), with
+    logprobs equal to the module path's, over contexts that cross cache blocks."""
+    write_gguf(tmp_path / "m.gguf")
+    ours = engine(tmp_path / "m.gguf", True)
+    model = ours.engine.model
+    calls = []
+    for layer in model._packed_layers:
+        one_call = type(layer)._decode
+        object.__setattr__(layer, "_decode", lambda *a, layer=layer, f=one_call:
+                           calls.append(len(a[2])) or f(layer, *a))
+    prompts = [[(5 * i + 11 * j) % (VOCAB - 1) + 1 for i in range(4 + 9 * j)]
+               for j in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    fast = ours.generate(prompts, params)
+    assert len(calls) >= 2 * 39 and max(calls) == batch  # both layers, every decode step
+    assert_equals_module_path(ours, prompts, params, fast)
+
+
+def test_decode_step_only_for_a_few_decodes():
+    cos = torch.zeros(2, 1, 8)
+    tables, lens = torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    slots = torch.zeros(2, dtype=torch.int64)
+    step = DecodeStep.of(2, 2, 2, 4, (cos, cos), slots, tables, lens)
+    assert step is not None and step.cos.shape == (2, 8)
+    assert DecodeStep.of(2, 1, 2, 4, (cos, cos), slots, tables, lens) is None  # a prefill
+    assert DecodeStep.of(2, 2, 2, 2, (cos, cos), slots, tables, lens) is None  # too many rows
+    assert DecodeStep.of(2, 2, 2, 4, (cos, cos), slots.int(), tables, lens) is None
+    with pytest.raises(ValueError, match="disagree"):
+        DecodeStep(cos[:, 0], cos[:, 0], slots, tables, lens[:1])
+
+
+def test_one_call_layer_rejects_bad_metadata(tmp_path):
+    write_gguf(tmp_path / "m.gguf")
+    model = engine(tmp_path / "m.gguf", True).engine.model
+    layer, gemm = model._packed_layers[0], model._packed_gemm
+    d = H // HEADS
+    cache = torch.zeros(2, 4, 16, KV_HEADS, d)
+    cos = torch.ones(1, d)
+    x = torch.randn(1, H)
+    tables, lens = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    ok = layer.forward(gemm, None, None, x, cache,
+                       DecodeStep(cos, cos, torch.tensor([2]), tables, lens))
+    assert ok.shape == (1, H) and torch.isfinite(ok).all()
+    with pytest.raises(ValueError, match="slot_mapping"):
+        layer.forward(gemm, None, None, x, cache,
+                      DecodeStep(cos, cos, torch.tensor([64]), tables, lens))
+    with pytest.raises(ValueError, match="outside the cache"):
+        layer.forward(gemm, None, None, x, cache,
+                      DecodeStep(cos, cos, torch.tensor([2]), tables + 9, lens))
+    with pytest.raises(ValueError, match="1 <= T <"):
+        layer.forward(gemm, None, None, torch.randn(4, H), cache,
+                      DecodeStep(cos.expand(4, d).contiguous(), cos.expand(4, d).contiguous(),
+                                 torch.tensor([2, 3, 4, 5]), tables.expand(4, 2).contiguous(),
+                                 lens.expand(4).contiguous()))

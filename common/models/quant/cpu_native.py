@@ -22,7 +22,10 @@ from pdserve.common.attention.cpu_native import (_cpu_flags, build_or_import, co
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent / "cpu_kernels"
-SOURCES = (KERNEL_DIR / "packed_gemm.cpp",)
+# packed_gemm.cpp first: it compiles longest (<torch/extension.h>)
+SOURCES = (KERNEL_DIR / "packed_gemm.cpp", KERNEL_DIR / "fused_layer.cpp")
+# fused_layer.cpp includes the attention kernels' decode and row helpers from here
+ATTENTION_DIR = KERNEL_DIR.parents[2] / "attention" / "cpu_kernels"
 
 
 def packed_compile_flags() -> list[str]:
@@ -34,7 +37,10 @@ def packed_compile_flags() -> list[str]:
 
 
 def module_name(flags: list[str]) -> str:
-    return sources_module_name("pdserve_packed_gemm", KERNEL_DIR, flags)
+    """Unique per version of this directory's sources and of the attention headers they
+    include (the attention directory's hash stands in the name's inputs beside the flags)."""
+    attention = sources_module_name("attention", ATTENTION_DIR, flags)
+    return sources_module_name("pdserve_packed_gemm", KERNEL_DIR, flags + [attention])
 
 
 def _build_or_import() -> ModuleType:

@@ -1,0 +1,322 @@
+// The paged decode attention's inner pieces (one (request, kv heads) item: online softmax over
+// the request's blocks), shared by paged_decode (paged_attention.cpp, layouts and notes there)
+// and the packed models' fused decoder layer (models/quant/cpu_kernels/fused_layer.cpp).
+#pragma once
+
+#include "kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PDSERVE_AVX2 1
+#endif
+
+namespace {
+
+using pdserve_kernels::to_f32;
+#ifdef PDSERVE_AVX2
+using pdserve_kernels::load8;
+#endif
+
+#ifdef PDSERVE_AVX2
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp for x <= 0 (scores minus their running max): Cephes expf (range reduction to
+// [-ln2/2, ln2/2] and a degree-5 polynomial, ~1 ulp). Inputs below -87 clamp to ~1e-38, which
+// is 0 for any softmax weight that matters.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
+}
+
+#endif  // PDSERVE_AVX2
+
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#ifdef PDSERVE_AVX2
+  // two accumulators: head_dim 64/128 is 8/16 vectors, enough to hide the FMA latency
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), s1);
+  }
+  for (; i + 8 <= n; i += 8)
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), s0);
+  s = hsum(_mm256_add_ps(s0, s1));
+#endif
+  for (; i < n; ++i) s += a[i] * to_f32(b[i]);
+  return s;
+}
+
+// y[0:n] += a * x[0:n]
+template <typename T>
+inline void axpy(float* y, float a, const T* x, int64_t n) {
+  int64_t i = 0;
+#ifdef PDSERVE_AVX2
+  const __m256 av = _mm256_set1_ps(a);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, load8(x + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += a * to_f32(x[i]);
+}
+
+// Ask for the cache lines of one d-element row (a GCC/Clang builtin: no ISA dependence).
+template <typename T>
+inline void prefetch_row(const T* row, int64_t d) {
+  for (int64_t i = 0; i < d; i += 64 / sizeof(T)) __builtin_prefetch(row + i, 0, 3);
+}
+
+inline void scale_inplace(float* y, float a, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] *= a;
+}
+
+// x[0:n] = exp(x[0:n] - m); returns the sum of the results.
+inline float exp_sub_sum(float* x, float m, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef PDSERVE_AVX2
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum(acc);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    sum += x[i];
+  }
+  return sum;
+}
+
+// Scores of nt consecutive tokens of one block against the G queries:
+// sc[g * sc_stride + t] = q[g] . k[t], K rows row_stride apart. Also prefetches the same rows
+// of the blocks at pf_a and pf_b (either may be null) for the caller.
+template <typename T>
+void qk_block(const float* q, int64_t group, int64_t d, const T* k, int64_t row_stride,
+              int64_t nt, float* sc, int64_t sc_stride, const T* pf_a, const T* pf_b) {
+  int64_t t = 0;
+#ifdef PDSERVE_AVX2
+  // 8 tokens at a time: 8 accumulators per query, reduced together into one vector of 8 scores
+  // (one horizontal reduction per 8 dots instead of per dot)
+  if (d % 8 == 0) {
+    for (; t + 8 <= nt; t += 8) {
+      for (int64_t j = t; j < t + 8; ++j) {
+        if (pf_a) prefetch_row(pf_a + j * row_stride, d);
+        if (pf_b) prefetch_row(pf_b + j * row_stride, d);
+      }
+      const T* kt = k + t * row_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * d;
+        __m256 a[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < d; c += 8) {
+          const __m256 qv = _mm256_loadu_ps(qg + c);
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j)
+            a[j] = _mm256_fmadd_ps(qv, load8(kt + j * row_stride + c), a[j]);
+        }
+        // lane j of the result = sum of a[j]'s lanes
+        const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+        const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                         _mm256_permute2f128_ps(u0, u1, 0x31));
+        _mm256_storeu_ps(sc + g * sc_stride + t, sum);
+      }
+    }
+  }
+#endif
+  for (; t < nt; ++t) {
+    if (pf_a) prefetch_row(pf_a + t * row_stride, d);
+    if (pf_b) prefetch_row(pf_b + t * row_stride, d);
+    for (int64_t g = 0; g < group; ++g)
+      sc[g * sc_stride + t] = dot(q + g * d, k + t * row_stride, d);
+  }
+}
+
+#ifdef PDSERVE_AVX2
+// acc[g] += sum_t p[g, t] * v[t] for GC query heads, 8 lanes of d at a time: the GC
+// accumulators stay in registers over the tokens, each V vector is loaded once for all of them.
+template <int GC, typename T>
+void pv_chunk(float* acc, int64_t d, const float* p, int64_t p_stride, const T* v,
+              int64_t row_stride, int64_t nt) {
+  for (int64_t c = 0; c < d; c += 8) {
+    __m256 a[GC];
+#pragma GCC unroll 8
+    for (int g = 0; g < GC; ++g) a[g] = _mm256_loadu_ps(acc + g * d + c);
+    for (int64_t t = 0; t < nt; ++t) {
+      const __m256 vv = load8(v + t * row_stride + c);
+#pragma GCC unroll 8
+      for (int g = 0; g < GC; ++g)
+        a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * p_stride + t), vv, a[g]);
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < GC; ++g) _mm256_storeu_ps(acc + g * d + c, a[g]);
+  }
+}
+#endif
+
+// acc[g] (d floats each) += sum_t p[g * p_stride + t] * v[t], V rows row_stride apart.
+template <typename T>
+void pv_block(float* acc, int64_t group, int64_t d, const float* p, int64_t p_stride,
+              const T* v, int64_t row_stride, int64_t nt) {
+#ifdef PDSERVE_AVX2
+  if (d % 8 == 0) {
+    for (int64_t g0 = 0; g0 < group; g0 += 8) {
+      float* a = acc + g0 * d;
+      const float* pg = p + g0 * p_stride;
+      switch (std::min<int64_t>(8, group - g0)) {
+        case 1: pv_chunk<1>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 2: pv_chunk<2>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 3: pv_chunk<3>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 4: pv_chunk<4>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 5: pv_chunk<5>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 6: pv_chunk<6>(a, d, pg, p_stride, v, row_stride, nt); break;
+        case 7: pv_chunk<7>(a, d, pg, p_stride, v, row_stride, nt); break;
+        default: pv_chunk<8>(a, d, pg, p_stride, v, row_stride, nt); break;
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t g = 0; g < group; ++g)
+      axpy(acc + g * d, p[g * p_stride + t], v + t * row_stride, d);
+}
+
+template <typename T>  // the cache's element type
+struct DecodeProblem {
+  const float* query;
+  int64_t q_row_stride;  // elements between requests' query rows
+  const T* k_cache;      // [NB, bs, kvh, d]
+  const T* v_cache;
+  const int32_t* block_tables;  // [D, W]
+  const int32_t* seq_lens;      // [D]
+  float* out;                   // [D, H, d]
+  int64_t num_heads, num_kv_heads, head_dim, block_size, table_width;
+  float scale;
+};
+
+// Prefetch distances in blocks, tuned on an EPYC at 16-token blocks: far enough ahead to cover
+// DRAM latency, near enough to stay in L1/L2 (K is needed first, V after the tile's softmax).
+constexpr int64_t kKAhead = 3, kVAhead = 2;
+
+// Per-thread scratch, reused across the items a thread runs; sized for all H query heads.
+struct Scratch {
+  std::vector<float> q, acc, scores, m, l;  // [H, d], [H, d], [H, tile], [H], [H]
+  Scratch(int64_t heads, int64_t d, int64_t tile)
+      : q(heads * d), acc(heads * d), scores(heads * tile), m(heads), l(heads) {}
+};
+
+// Request r, kv heads [h0, h1) (query heads h0*G .. h1*G-1): online softmax over tiles of whole
+// blocks. The kv-head loop sits inside the block loop so that, with the whole range, a block's
+// K (then V) is read front to back, bs * kvh * d contiguous floats, which the hardware
+// prefetcher and DRAM pages like better than one head's strided rows.
+template <typename T>
+void decode_item(const DecodeProblem<T>& p, int64_t r, int64_t h0, int64_t h1, int64_t tile_blocks,
+                 Scratch& s) {
+  const int64_t d = p.head_dim, bs = p.block_size, kvh = p.num_kv_heads;
+  const int64_t group = p.num_heads / kvh;
+  const int64_t nh = (h1 - h0) * group;  // query heads of this item
+  const int64_t tile = tile_blocks * bs;
+  const int64_t len = p.seq_lens[r];
+  const int32_t* table = p.block_tables + r * p.table_width;
+  const int64_t row_stride = kvh * d;  // between consecutive tokens of one kv head in a block
+
+  // the item's query heads are contiguous
+  const float* q_in = p.query + r * p.q_row_stride + h0 * group * d;
+  float* q = s.q.data();
+  float* acc = s.acc.data();
+  float* sc = s.scores.data();
+  float* m = s.m.data();
+  float* l = s.l.data();
+  for (int64_t i = 0; i < nh * d; ++i) q[i] = q_in[i] * p.scale;
+  std::fill(acc, acc + nh * d, 0.f);
+  std::fill(m, m + nh, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + nh, 0.f);
+
+  const int64_t num_used = (len + bs - 1) / bs;
+  const int64_t block_elems = bs * kvh * d;
+  auto k_block = [&](int64_t b) { return p.k_cache + table[b] * block_elems; };
+  auto v_block = [&](int64_t b) { return p.v_cache + table[b] * block_elems; };
+  auto prefetch_block = [&](const T* block) {
+    for (int64_t t = 0; t < bs; ++t)
+      for (int64_t h = h0; h < h1; ++h) prefetch_row(block + t * row_stride + h * d, d);
+  };
+  for (int64_t b = 0; b < std::min(kKAhead, num_used); ++b) prefetch_block(k_block(b));
+  for (int64_t b = 0; b < std::min(kVAhead, num_used); ++b) prefetch_block(v_block(b));
+  for (int64_t start = 0; start < len; start += tile) {
+    const int64_t n = std::min(tile, len - start);
+    // scores [nh, n]: each K row is loaded once for all G queries of its group (L1-hot after the
+    // first). Pages are scattered and too short for the hardware prefetcher to get ahead, so
+    // prefetch K kKAhead blocks and V kVAhead blocks ahead (the first ones before the loop).
+    for (int64_t t0 = 0; t0 < n; t0 += bs) {
+      const int64_t b = (start + t0) / bs;
+      const T* k = k_block(b);
+      const T* k_ahead = b + kKAhead < num_used ? k_block(b + kKAhead) : nullptr;
+      const T* v_ahead = b + kVAhead < num_used ? v_block(b + kVAhead) : nullptr;
+      for (int64_t h = h0; h < h1; ++h) {
+        const int64_t j = (h - h0) * group;
+        qk_block(q + j * d, group, d, k + h * d, row_stride, std::min(bs, n - t0),
+                 sc + j * tile + t0, tile, k_ahead ? k_ahead + h * d : nullptr,
+                 v_ahead ? v_ahead + h * d : nullptr);
+      }
+    }
+    // online softmax: rescale the running sums only when the max grows
+    for (int64_t j = 0; j < nh; ++j) {
+      float* sj = sc + j * tile;
+      const float mx = *std::max_element(sj, sj + n);
+      if (mx > m[j]) {
+        const float alpha = std::exp(m[j] - mx);  // exp(-inf) = 0 on the first tile
+        scale_inplace(acc + j * d, alpha, d);
+        l[j] *= alpha;
+        m[j] = mx;
+      }
+      l[j] += exp_sub_sum(sj, m[j], n);
+    }
+    // acc[j] += sum_t p[j, t] * V[t]: each V row loaded once for all G heads of its group
+    for (int64_t t0 = 0; t0 < n; t0 += bs) {
+      const T* v = v_block((start + t0) / bs);
+      for (int64_t h = h0; h < h1; ++h) {
+        const int64_t j = (h - h0) * group;
+        pv_block(acc + j * d, group, d, sc + j * tile + t0, tile, v + h * d, row_stride,
+                 std::min(bs, n - t0));
+      }
+    }
+  }
+  float* o = p.out + (r * p.num_heads + h0 * group) * d;
+  for (int64_t j = 0; j < nh; ++j) {
+    const float inv = 1.f / l[j];
+    for (int64_t i = 0; i < d; ++i) o[j * d + i] = acc[j * d + i] * inv;
+  }
+}
+
+}  // namespace

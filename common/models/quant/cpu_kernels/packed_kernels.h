@@ -1,0 +1,673 @@
+// The packed-weight GEMM's inner pieces (block expansion, the per-row dot products, the
+// panel path, argument checks and dispatch), shared by the Python entry points
+// (packed_gemm.cpp) and the fused decoder layer (fused_layer.cpp). The format and ISA notes
+// are at the top of packed_gemm.cpp. Only ATen headers here (see attention/cpu_kernels/
+// kernels.h: <torch/extension.h> costs ~45 s of compile time per translation unit).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <c10/util/Optional.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int QK = 32;  // weights per (sub-)block: the unit every path expands
+enum QType : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+};
+
+constexpr bool is_kquant(int64_t qt) { return qt >= kQ2_K && qt <= kQ6_K; }
+constexpr bool valid_qtype(int64_t qt) {
+  return qt == kQ4_0 || qt == kQ4_1 || qt == kQ8_0 || is_kquant(qt);
+}
+constexpr int subs(int64_t qt) { return is_kquant(qt) ? 8 : 1; }  // sub-blocks per block
+constexpr int64_t block_size(int64_t qt) { return QK * subs(qt); }
+constexpr int64_t block_bytes(int64_t qt) {
+  return qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ8_0 ? 34 : qt == kQ2_K ? 84
+       : qt == kQ3_K ? 110 : qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : qt == kQ6_K ? 210 : 0;
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+// Q4_K / Q5_K sub-block s: scale d * sc[s] and min dmin * m[s] (6-bit sc, m packed in bytes
+// 4 .. 16 as gguf-py's Q4_K.get_scale_min unpacks them). Both products are exact in fp32.
+inline void kq_scale_min(const uint8_t* b, int s, float& ds, float& ms) {
+  const uint8_t* p = b + 4;
+  int sc, m;
+  if (s < 4) {
+    sc = p[s] & 63;
+    m = p[s + 4] & 63;
+  } else {
+    sc = (p[s + 4] & 0x0F) | ((p[s - 4] >> 6) << 4);
+    m = (p[s + 4] >> 4) | ((p[s] >> 6) << 4);
+  }
+  ds = half_at(b) * static_cast<float>(sc);
+  ms = half_at(b + 2) * static_cast<float>(m);
+}
+
+// Q2_K / Q3_K / Q6_K: the scale of weights 16 i .. 16 i + 15 of the super-block (exact).
+template <int64_t QT>
+inline float k16_scale(const uint8_t* b, int i) {
+  if constexpr (QT == kQ2_K) {
+    return half_at(b + 80) * static_cast<float>(b[i] & 0x0F);
+  } else if constexpr (QT == kQ3_K) {  // low 4 bits from bytes 0 .. 7, high 2 from bytes 8 .. 11
+    const int lo = (b[96 + i % 8] >> (4 * (i / 8))) & 0x0F;
+    const int hi = (b[104 + i % 4] >> (2 * (i / 4))) & 3;
+    return half_at(b + 108) * static_cast<float>((lo | (hi << 4)) - 32);
+  } else {
+    return half_at(b + 208) * static_cast<float>(static_cast<int8_t>(b[192 + i]));
+  }
+}
+// Q2_K: the min of weights 16 i .. 16 i + 15 (exact).
+inline float q2k_min(const uint8_t* b, int i) {
+  return half_at(b + 82) * static_cast<float>(b[i] >> 4);
+}
+
+// The 32 quants of K-quant sub-block s, as integers (Q2_K 0..3, Q3_K -4..3, Q4_K 0..15,
+// Q5_K 0..31, Q6_K -32..31).
+template <int64_t QT>
+inline int kq_quant(const uint8_t* b, int s, int i) {
+  if constexpr (QT == kQ2_K) {
+    return (b[16 + 32 * (s / 4) + i] >> (2 * (s % 4))) & 3;
+  } else if constexpr (QT == kQ3_K) {
+    const int lo = (b[32 + 32 * (s / 4) + i] >> (2 * (s % 4))) & 3;
+    return ((b[i] >> s) & 1) ? lo : lo - 4;
+  } else if constexpr (QT == kQ4_K) {
+    return (b[16 + 32 * (s / 2) + i] >> (4 * (s % 2))) & 0x0F;
+  } else if constexpr (QT == kQ5_K) {
+    return ((b[48 + 32 * (s / 2) + i] >> (4 * (s % 2))) & 0x0F) | (((b[16 + i] >> s) & 1) << 4);
+  } else {
+    const int t = s % 4, h = s / 4;
+    const int lo = (b[64 * h + 32 * (t & 1) + i] >> (4 * (t >> 1))) & 0x0F;
+    const int hi = (b[128 + 32 * h + i] >> (2 * t)) & 3;
+    return (lo | (hi << 4)) - 32;
+  }
+}
+
+// Scalar expansion of (sub-)block s of the block at b into w[32]; the reference every vector
+// variant matches.
+template <int64_t QT>
+inline void expand_scalar(const uint8_t* b, int s, float* w) {
+  if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    float ds, ms;
+    kq_scale_min(b, s, ds, ms);
+    for (int i = 0; i < QK; ++i) w[i] = std::fma(ds, static_cast<float>(kq_quant<QT>(b, s, i)), -ms);
+    return;
+  } else if constexpr (QT == kQ6_K || QT == kQ3_K) {
+    const float d0 = k16_scale<QT>(b, 2 * s), d1 = k16_scale<QT>(b, 2 * s + 1);
+    for (int i = 0; i < QK; ++i)
+      w[i] = (i < 16 ? d0 : d1) * static_cast<float>(kq_quant<QT>(b, s, i));
+    return;
+  } else if constexpr (QT == kQ2_K) {
+    for (int h = 0; h < 2; ++h) {
+      const float ds = k16_scale<QT>(b, 2 * s + h), ms = q2k_min(b, 2 * s + h);
+      for (int i = 16 * h; i < 16 * h + 16; ++i)
+        w[i] = std::fma(ds, static_cast<float>(kq_quant<QT>(b, s, i)), -ms);
+    }
+    return;
+  }
+  const float d = half_at(b);
+  if constexpr (QT == kQ4_0) {
+    for (int j = 0; j < 16; ++j) {
+      w[j] = d * static_cast<float>((b[2 + j] & 0x0F) - 8);
+      w[j + 16] = d * static_cast<float>((b[2 + j] >> 4) - 8);
+    }
+  } else if constexpr (QT == kQ4_1) {
+    const float m = half_at(b + 2);
+    for (int j = 0; j < 16; ++j) {
+      w[j] = std::fma(d, static_cast<float>(b[4 + j] & 0x0F), m);
+      w[j + 16] = std::fma(d, static_cast<float>(b[4 + j] >> 4), m);
+    }
+  } else {
+    for (int j = 0; j < QK; ++j) w[j] = d * static_cast<float>(static_cast<int8_t>(b[2 + j]));
+  }
+}
+
+#if defined(__AVX2__)
+inline __m256i srl8(__m256i v, int n, int mask) {  // per byte: (v >> n) & mask
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(n)), _mm256_set1_epi8(mask));
+}
+inline __m256i load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// kq_quant for all 32 weights of sub-block s at once, as bytes (int8 for Q3_K and Q6_K, else
+// uint8).
+template <int64_t QT>
+inline __m256i kq_quants(const uint8_t* b, int s) {
+  if constexpr (QT == kQ2_K) {
+    return srl8(load32(b + 16 + 32 * (s / 4)), 2 * (s % 4), 3);
+  } else if constexpr (QT == kQ3_K) {  // (lo | hbit << 2) - 4
+    const __m256i hi = _mm256_slli_epi16(srl8(load32(b), s, 1), 2);
+    const __m256i lo = srl8(load32(b + 32 + 32 * (s / 4)), 2 * (s % 4), 3);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(4));
+  } else if constexpr (QT == kQ4_K) {
+    return srl8(load32(b + 16 + 32 * (s / 2)), 4 * (s % 2), 0x0F);
+  } else if constexpr (QT == kQ5_K) {
+    const __m256i hi = _mm256_slli_epi16(srl8(load32(b + 16), s, 1), 4);
+    return _mm256_or_si256(srl8(load32(b + 48 + 32 * (s / 2)), 4 * (s % 2), 0x0F), hi);
+  } else {
+    const int t = s % 4, h = s / 4;
+    const __m256i lo = srl8(load32(b + 64 * h + 32 * (t & 1)), 4 * (t >> 1), 0x0F);
+    const __m256i hi = _mm256_slli_epi16(srl8(load32(b + 128 + 32 * h), 2 * t, 3), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+  }
+}
+#endif
+
+template <int64_t QT, typename V>
+inline void expand_k(const uint8_t* b, int s, V* w);
+
+#if defined(__AVX512F__)
+constexpr int VL = 16;
+using vec = __m512;
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+inline vec u8_to_f(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)); }
+
+inline vec i8_to_f(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
+
+// The bytes of vector j of a sub-block's 32 quants (j = 0, 1).
+inline __m128i lane_bytes(__m256i q, int j) {
+  return j == 0 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+}
+inline vec vset1(float f) { return _mm512_set1_ps(f); }
+
+template <int64_t QT>
+inline void expand(const uint8_t* b, int s, vec* w) {  // 2 vectors
+  if constexpr (is_kquant(QT)) {
+    expand_k<QT>(b, s, w);
+    return;
+  }
+  const vec d = _mm512_set1_ps(half_at(b));
+  if constexpr (QT == kQ8_0) {
+    for (int j = 0; j < 2; ++j) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * j));
+      w[j] = _mm512_mul_ps(d, i8_to_f(q));
+    }
+  } else {
+    const uint8_t* qs = b + (QT == kQ4_1 ? 4 : 2);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const vec lo = u8_to_f(_mm_and_si128(q, mask));
+    const vec hi = u8_to_f(_mm_and_si128(_mm_srli_epi16(q, 4), mask));
+    if constexpr (QT == kQ4_1) {
+      const vec m = _mm512_set1_ps(half_at(b + 2));
+      w[0] = _mm512_fmadd_ps(d, lo, m);
+      w[1] = _mm512_fmadd_ps(d, hi, m);
+    } else {
+      const vec eight = _mm512_set1_ps(8.f);
+      w[0] = _mm512_mul_ps(d, _mm512_sub_ps(lo, eight));
+      w[1] = _mm512_mul_ps(d, _mm512_sub_ps(hi, eight));
+    }
+  }
+}
+#define PDSERVE_SIMD "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int VL = 8;
+using vec = __m256;
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline float vsum(vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vec u8_to_f(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)); }
+
+inline vec i8_to_f(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)); }
+
+// The bytes of vector j of a sub-block's 32 quants (j = 0 .. 3; the low 8 of the result).
+inline __m128i lane_bytes(__m256i q, int j) {
+  const __m128i half = j < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+  return j % 2 ? _mm_srli_si128(half, 8) : half;
+}
+inline vec vset1(float f) { return _mm256_set1_ps(f); }
+
+template <int64_t QT>
+inline void expand(const uint8_t* b, int s, vec* w) {  // 4 vectors
+  if constexpr (is_kquant(QT)) {
+    expand_k<QT>(b, s, w);
+    return;
+  }
+#if defined(__F16C__)
+  // d (and Q4_1's m) from one 4-byte broadcast and one conversion: [d, m] in every pair
+  uint32_t dm;
+  std::memcpy(&dm, b, 4);
+  const __m256 both = _mm256_cvtph_ps(_mm_set1_epi32(static_cast<int>(dm)));
+  const vec d = _mm256_permute_ps(both, 0x00);
+#else
+  const vec d = _mm256_set1_ps(half_at(b));
+#endif
+  if constexpr (QT == kQ8_0) {
+    for (int j = 0; j < 4; ++j) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j));
+      w[j] = _mm256_mul_ps(d, i8_to_f(q));
+    }
+  } else {
+    const uint8_t* qs = b + (QT == kQ4_1 ? 4 : 2);
+    // bytes 0 .. 7 and 8 .. 15 widened to dwords straight from memory (vpmovzxbd m64), then
+    // split into nibbles at 32 bits (the upper bytes are zero, so >> 4 is the high nibble):
+    // 10 vector ops per block where widening split nibble bytes took 14
+    const auto* q0 = reinterpret_cast<const __m128i*>(qs);
+    const auto* q1 = reinterpret_cast<const __m128i*>(qs + 8);
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q0));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q1));
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    const vec e[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)),
+                      _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)),
+                      _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)),
+                      _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
+    if constexpr (QT == kQ4_1) {
+#if defined(__F16C__)
+      const vec m = _mm256_permute_ps(both, 0x55);
+#else
+      const vec m = _mm256_set1_ps(half_at(b + 2));
+#endif
+      for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(d, e[j], m);
+    } else {
+      const vec eight = _mm256_set1_ps(8.f);
+      for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(d, _mm256_sub_ps(e[j], eight));
+    }
+  }
+}
+#define PDSERVE_SIMD "avx2"
+#else
+#define PDSERVE_SIMD "scalar"
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// K-quant sub-block s: unpack its 32 quant bytes (AVX2 byte ops, either vector build), widen
+// them to 32 / VL vectors and scale: fma(d * sc, q, -(dmin * m)), or Q3_K's and Q6_K's
+// (d * scale) * q; Q2_K, Q3_K and Q6_K change scale every 16 weights.
+template <int64_t QT, typename V>
+inline void expand_k(const uint8_t* b, int s, V* w) {
+  const __m256i q = kq_quants<QT>(b, s);
+  if constexpr (QT == kQ6_K || QT == kQ3_K) {
+    for (int j = 0; j < QK / VL; ++j)
+      w[j] = vmul(vset1(k16_scale<QT>(b, 2 * s + j * VL / 16)), i8_to_f(lane_bytes(q, j)));
+  } else if constexpr (QT == kQ2_K) {
+    for (int j = 0; j < QK / VL; ++j) {
+      const int i = 2 * s + j * VL / 16;
+      w[j] = vfma(vset1(k16_scale<QT>(b, i)), u8_to_f(lane_bytes(q, j)), vset1(-q2k_min(b, i)));
+    }
+  } else {
+    float ds, ms;
+    kq_scale_min(b, s, ds, ms);
+    const V d = vset1(ds), m = vset1(-ms);
+    for (int j = 0; j < QK / VL; ++j) w[j] = vfma(d, u8_to_f(lane_bytes(q, j)), m);
+  }
+}
+#endif
+
+struct Gemm {
+  const float* x;  // [M, K], row stride sx
+  int64_t sx, M, K;
+  const uint8_t* w;  // [N, row_bytes]
+  int64_t row_bytes;
+  const float* bias;  // [N] or null
+  const float* res;   // [M, N] (row stride sr) or null
+  int64_t sr;
+  float* out;  // [M, N] contiguous
+  int64_t N;
+
+  inline void store(int64_t m, int64_t n, float s) const {
+    if (bias) s += bias[n];
+    if (res) s += res[m * sr + n];
+    out[m * N + n] = s;
+  }
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr int NV = QK / VL;  // vectors per block
+constexpr int MT = VL == 16 ? 4 : 2;  // activation rows per register tile (acc = MT * NV regs)
+
+// Rows m0 .. m0 + R of output column n: each block expanded once per tile of R rows; NV
+// independent accumulators per row, so the FMA chains overlap.
+template <int64_t QT, int R>
+inline void dot_tile(const Gemm& g, int64_t n, int64_t m0) {
+  vec acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = vzero();
+  const uint8_t* wr = g.w + n * g.row_bytes;
+  const int64_t nb = g.K / block_size(QT);
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int s = 0; s < subs(QT); ++s) {
+      vec w[NV];
+      expand<QT>(wr + b * block_bytes(QT), s, w);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = g.x + (m0 + r) * g.sx + (b * subs(QT) + s) * QK;
+        for (int j = 0; j < NV; ++j) acc[r][j] = vfma(w[j], vload(xr + j * VL), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    vec s = acc[r][0];
+    for (int j = 1; j < NV; ++j) s = vadd(s, acc[r][j]);
+    g.store(m0 + r, n, vsum(s));
+  }
+}
+
+
+#if defined(__AVX512F__)
+// Q4_0 / Q4_1 at few activation rows (decode, AVX-512) by table lookup. A block's 16 possible
+// weights are one vector, table[q] = fma(d, q, m) (Q4_1) or d * (q - 8) (Q4_0): the values
+// expand() computes per element, bit for bit. Each weight is then one lane of a vpermps (which
+// reads only the low 4 bits of each index lane, so the widened bytes index the low nibbles
+// unmasked): 1 widening, 1 shift, 2 permutes and 1 FMA per 32 weights, where converting the
+// nibbles to floats took ~3x the uops.
+// The table's d (and m) come straight from the block header: one 4-byte broadcast [d, m], one
+// conversion, two in-lane shuffles (d in every lane, m in every lane). On the Zen 5 this ran
+// 1.2-1.4x faster (30 SmolLM2 layers at M = 1) than widening a row's scales into a buffer
+// first (copied out one row ahead, then read back as broadcasts): the buffer's copy and
+// widening cost as much as a third of a 576-wide row.
+// The AVX2 build keeps the expansion (expand()): an 8-lane lookup needs two permutes and a
+// blend per 8 weights (the table is two vectors), and ran 1.5x slower than expanding on the
+// same machine (git history: the AVX2 lookup of 0f44d7b).
+template <int64_t QT>
+inline vec q4_table_d(const uint8_t* b, vec& m) {  // -> d in every lane; m: m in every lane
+  uint32_t dm;
+  std::memcpy(&dm, b, 4);
+  const vec both = _mm512_cvtph_ps(_mm256_set1_epi32(static_cast<int>(dm)));  // [d, m, d, m ..]
+  m = _mm512_permute_ps(both, 0x55);
+  return _mm512_permute_ps(both, 0x00);
+}
+
+// Rows m0 .. m0 + R of output column n. Two blocks per iteration into separate accumulators,
+// so consecutive blocks' FMA chains overlap.
+template <int64_t QT, int R>
+inline void dot_q4_lut(const Gemm& g, int64_t n, int64_t m0) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 lut_q = QT == kQ4_1 ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(8.f));
+  vec acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = vzero();
+  const uint8_t* wr = g.w + n * g.row_bytes;
+  const int64_t nb = g.K / QK;
+  auto block = [&](int64_t i, int a) {
+    const uint8_t* b = wr + i * block_bytes(QT);
+    vec m;
+    const vec d = q4_table_d<QT>(b, m);
+    const vec table = QT == kQ4_1 ? _mm512_fmadd_ps(d, lut_q, m) : _mm512_mul_ps(d, lut_q);
+    const __m512i q = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (QT == kQ4_1 ? 4 : 2))));
+    const vec w0 = _mm512_permutexvar_ps(q, table);
+    const vec w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = g.x + (m0 + r) * g.sx + i * QK;
+      acc[r][a] = vfma(w0, vload(xr), acc[r][a]);
+      acc[r][a + 1] = vfma(w1, vload(xr + VL), acc[r][a + 1]);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 2 <= nb; i += 2) {
+    block(i, 0);
+    block(i + 1, 2);
+  }
+  if (i < nb) block(i, 0);
+  for (int r = 0; r < R; ++r)
+    g.store(m0 + r, n, vsum(vadd(vadd(acc[r][0], acc[r][1]), vadd(acc[r][2], acc[r][3]))));
+}
+
+// Rows ahead of the one being multiplied whose bytes are requested (prefetcht0): a decode step
+// reads every weight once, from L3 or DRAM, and each GEMM is short (a few hundred KB per
+// thread) for the hardware prefetcher's ramp-up. On the Zen 5 (2 threads, 30 layers' Q4_1 at
+// M = 1) 6 rows ran 2.7 ms where none ran 4.0 and 12 rows 3.7 (one locked run each, noisy).
+constexpr int64_t kRowsAhead = 6;
+
+template <int64_t QT>
+void q4_lut_columns(const Gemm& g, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < std::min(n1, n0 + kRowsAhead); ++n)
+      for (int64_t b = 0; b < g.row_bytes; b += 64) __builtin_prefetch(g.w + n * g.row_bytes + b, 0, 3);
+  for (int64_t n = n0; n < n1; ++n) {
+    if (n + kRowsAhead < n1)
+      for (int64_t b = 0; b < g.row_bytes; b += 64)
+        __builtin_prefetch(g.w + (n + kRowsAhead) * g.row_bytes + b, 0, 3);
+    int64_t m = 0;
+    for (; m + 2 <= g.M; m += 2) dot_q4_lut<QT, 2>(g, n, m);
+    if (m < g.M) dot_q4_lut<QT, 1>(g, n, m);
+  }
+}
+#define PDSERVE_Q4_LUT 1
+#endif
+
+template <int64_t QT>
+void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
+#if defined(PDSERVE_Q4_LUT)
+  if constexpr (QT == kQ4_0 || QT == kQ4_1) {
+    q4_lut_columns<QT>(g, n0, n1);
+    return;
+  }
+#endif
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + MT <= g.M; m += MT) dot_tile<QT, MT>(g, n, m);
+    for (; m < g.M; ++m) dot_tile<QT, 1>(g, n, m);
+  }
+}
+
+template <int64_t QT>
+void expand_row(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / block_size(QT); ++b) {
+    for (int s = 0; s < subs(QT); ++s) {
+      vec w[NV];
+      expand<QT>(row + b * block_bytes(QT), s, w);
+      for (int j = 0; j < NV; ++j) vstore(out + (b * subs(QT) + s) * QK + j * VL, w[j]);
+    }
+  }
+}
+
+// Panel path, for more activation rows: PANEL weight rows are expanded once into an fp32
+// scratch panel (L1/L2-resident), then a register-tiled micro-kernel multiplies R activation
+// rows by C panel rows (R * C accumulators, each x and w vector loaded once per tile), over
+// M in blocks of MBLOCK rows so the activations stay in L2 while the panel is reused.
+constexpr int NR = 4;
+constexpr int MR = VL == 16 ? 4 : 2;
+constexpr int64_t PANEL = 32, MBLOCK = 32;
+
+template <int R, int C>
+inline void micro(const Gemm& g, const float* panel, int64_t n, int64_t m) {
+  vec acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vzero();
+  for (int64_t k = 0; k < g.K; k += VL) {
+    vec xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = vload(g.x + (m + r) * g.sx + k);
+    for (int c = 0; c < C; ++c) {
+      const vec w = vload(panel + c * g.K + k);
+      for (int r = 0; r < R; ++r) acc[r][c] = vfma(xv[r], w, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) g.store(m + r, n + c, vsum(acc[r][c]));
+}
+
+template <int C>
+inline void micro_rows(const Gemm& g, const float* panel, int64_t n, int64_t m0, int64_t m1) {
+  int64_t m = m0;
+  for (; m + MR <= m1; m += MR) micro<MR, C>(g, panel, n, m);
+  for (; m < m1; ++m) micro<1, C>(g, panel, n, m);
+}
+
+template <int64_t QT>
+void gemm_panels(const Gemm& g, int64_t n0, int64_t n1, float* scratch) {
+  for (int64_t p0 = n0; p0 < n1; p0 += PANEL) {
+    const int64_t p1 = std::min(p0 + PANEL, n1);
+    for (int64_t n = p0; n < p1; ++n) expand_row<QT>(g.w + n * g.row_bytes, g.K, scratch + (n - p0) * g.K);
+    for (int64_t m0 = 0; m0 < g.M; m0 += MBLOCK) {
+      const int64_t m1 = std::min(m0 + MBLOCK, g.M);
+      int64_t n = p0;
+      for (; n + NR <= p1; n += NR) micro_rows<NR>(g, scratch + (n - p0) * g.K, n, m0, m1);
+      for (; n < p1; ++n) micro_rows<1>(g, scratch + (n - p0) * g.K, n, m0, m1);
+    }
+  }
+}
+#else
+// Q4_0 / Q4_1 block at b by table lookup, the plain C++ form of the vector builds' lookup:
+// the block's 16 possible weights (the values expand_scalar computes, bit for bit), then one
+// load per weight.
+template <int64_t QT>
+inline void expand_q4_lut(const uint8_t* b, float* w) {
+  float t[16];
+  const float d = half_at(b);
+  if constexpr (QT == kQ4_1) {
+    const float m = half_at(b + 2);
+    for (int q = 0; q < 16; ++q) t[q] = std::fma(d, static_cast<float>(q), m);
+  } else {
+    for (int q = 0; q < 16; ++q) t[q] = d * static_cast<float>(q - 8);
+  }
+  const uint8_t* qs = b + (QT == kQ4_1 ? 4 : 2);
+  for (int j = 0; j < 16; ++j) {
+    w[j] = t[qs[j] & 0x0F];
+    w[j + 16] = t[qs[j] >> 4];
+  }
+}
+
+// Plain C++: each block expanded to a float[32] (the compiler vectorizes what it can); Q4_0 /
+// Q4_1 by table lookup.
+template <int64_t QT>
+void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
+  float w[QK];
+  const int64_t nb = g.K / QK;  // sub-blocks per row
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = g.w + n * g.row_bytes;
+    for (int64_t m = 0; m < g.M; ++m) {
+      float acc[QK] = {};
+      const float* xr = g.x + m * g.sx;
+      for (int64_t b = 0; b < nb; ++b) {
+        if constexpr (QT == kQ4_0 || QT == kQ4_1)
+          expand_q4_lut<QT>(wr + b * block_bytes(QT), w);
+        else
+          expand_scalar<QT>(wr + b / subs(QT) * block_bytes(QT), b % subs(QT), w);
+        for (int j = 0; j < QK; ++j) acc[j] += w[j] * xr[b * QK + j];
+      }
+      float s = 0.f;
+      for (int j = 0; j < QK; ++j) s += acc[j];
+      g.store(m, n, s);
+    }
+  }
+}
+
+template <int64_t QT>
+void expand_row(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / QK; ++b)
+    expand_scalar<QT>(row + b / subs(QT) * block_bytes(QT), b % subs(QT), out + b * QK);
+}
+#endif
+
+void check_weight(const char* what, const at::Tensor& w, int64_t qtype, int64_t K) {
+  TORCH_CHECK_VALUE(valid_qtype(qtype), what, ": qtype must be Q4_0 (2), Q4_1 (3), Q8_0 (8), "
+                    "Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13) or Q6_K (14), got ", qtype);
+  const int64_t bs = block_size(qtype);
+  TORCH_CHECK_VALUE(K > 0 && K % bs == 0, what, ": K must be a positive multiple of ", bs,
+                    ", got ", K);
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                        w.device().is_cpu() && w.size(1) == K / bs * block_bytes(qtype),
+                    what, ": weight must be contiguous uint8 CPU [N, K / ", bs, " * ",
+                    block_bytes(qtype), "], got ", w.sizes());
+}
+
+template <typename F>
+void dispatch(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case kQ4_0: f(std::integral_constant<int64_t, kQ4_0>{}); break;
+    case kQ4_1: f(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ8_0: f(std::integral_constant<int64_t, kQ8_0>{}); break;
+    case kQ2_K: f(std::integral_constant<int64_t, kQ2_K>{}); break;
+    case kQ3_K: f(std::integral_constant<int64_t, kQ3_K>{}); break;
+    case kQ4_K: f(std::integral_constant<int64_t, kQ4_K>{}); break;
+    case kQ5_K: f(std::integral_constant<int64_t, kQ5_K>{}); break;
+    default: f(std::integral_constant<int64_t, kQ6_K>{}); break;  // check_weight ran first
+  }
+}
+
+// From this many activation rows on, the panel path (expand once, register-tiled micro-kernel)
+// beats re-expanding blocks in registers per row tile (quant/crossover.py measures both).
+constexpr int64_t PANEL_MIN_M = 4;
+
+// Output columns [n0, n1) on the calling thread, by the path that suits g.M.
+template <int64_t QT>
+void columns(const Gemm& g, int64_t n0, int64_t n1) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (g.M >= PANEL_MIN_M) {
+    std::vector<float> scratch(PANEL * g.K);
+    gemm_panels<QT>(g, n0, n1, scratch.data());
+    return;
+  }
+#endif
+  gemm_columns<QT>(g, n0, n1);
+}
+
+// The checked problem x @ w^T (+ bias) (+ residual); its `out` is for the caller to set.
+Gemm prepare(const char* what, const at::Tensor& x, const at::Tensor& w, int64_t qtype,
+             const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
+                        (x.stride(1) == 1 || x.size(1) <= 1),
+                    what, ": x must be float32 CPU [M, K] with unit column stride, got ",
+                    x.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = w.dim() == 2 ? w.size(0) : -1;
+  check_weight(what, w, qtype, K);
+  Gemm g{x.data_ptr<float>(), x.stride(0), M, K, w.data_ptr<uint8_t>(), w.size(1),
+         nullptr, nullptr, 0, nullptr, N};
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                          bias->device().is_cpu() && bias->numel() == N,
+                      what, ": bias must be contiguous float32 CPU [N]");
+    g.bias = bias->data_ptr<float>();
+  }
+  if (residual.has_value() && residual->defined()) {
+    const at::Tensor& r = *residual;
+    TORCH_CHECK_VALUE(r.dim() == 2 && r.size(0) == M && r.size(1) == N &&
+                          r.scalar_type() == at::kFloat && r.device().is_cpu() &&
+                          (r.stride(1) == 1 || N <= 1),
+                      what, ": residual must be float32 CPU [M, N] with unit column "
+                      "stride, got ", r.sizes());
+    g.res = r.data_ptr<float>();
+    g.sr = r.stride(0);
+  }
+  return g;
+}
+
+// op[m, p] = silu(y[m, p]) * y[m, half + p] for p in [p0, p1): y [M, 2 half] = [gate | up]
+// (the GEMM's output), op [M, half].
+inline void silu_mul(const float* yp, float* op, int64_t M, int64_t half, int64_t p0,
+                     int64_t p1) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t p = p0; p < p1; ++p) {
+      const float gate = yp[m * 2 * half + p];
+      op[m * half + p] = gate / (1.f + std::exp(-gate)) * yp[m * 2 * half + half + p];
+    }
+}
+
+}  // namespace
