@@ -9,7 +9,7 @@ block MAC".
 Why cryptography's encryptor and not the system's libcrypto through ctypes (what this module
 did before): the OpenSSL that cryptography's wheel carries (4.x) hashes a 0.7 MiB block at
 21-23 GB/s of CPU time on the 2-core Zen 5 this project benches on, where Debian's libcrypto
-3.0 ran 5.3-8 GB/s (its GHASH does not take the CPU's 512-bit carry-less multiply), so the
+3.0 ran 5.3-8 GB/s (not traced; likely its GHASH path without VPCLMULQDQ here), so the
 MAC costs ~33 us per SmolLM2 block instead of ~110. The price: the call holds the GIL. Each
 `authenticate_additional_data` gets at most PIECE_BYTES (~12 us), so no other thread waits
 long on one call; callers run the MAC inline where they are (connector/save_io.py) rather
