@@ -1,5 +1,5 @@
 """The address of a Python buffer, for the ctypes calls that read it with the GIL released
-(connector/gmac.py and poly1305.py, connector/transport/splice.py)."""
+(connector/poly1305.py, connector/transport/splice.py)."""
 
 from __future__ import annotations
 
