@@ -27,12 +27,15 @@ The contenders:
   per object, the WRITEs pipelined on one connection.
 - `tcp+cap+mac`: `tcp+cap`, plus each block's MAC as the connector computes it on its save
   path (connector/save_io.py): BlockCodec.header (HMAC-SHA256 one-time key from a fresh
-  nonce, then GMAC over header and payload, connector/codec.py, format version 4), on the
-  loop just before each object is sent (save_io.InlineSeals), so every MAC is inside the
-  timed loop, overlapping the node's receive of the objects before it.
-- `tcp+cap+poly1305`, `tcp+cap+hmac`: the same with the previous constructions, for
-  comparison: Poly1305 under a one-time key (format version 3, connector/poly1305.py) and
-  HMAC-SHA256 over the payload (format version 2, hashlib; both release the GIL).
+  nonce, then NH-Poly1305 over header and payload, connector/codec.py, format version 5), on
+  a worker thread sealing the batch in order, or by the loop just before it sends one the
+  worker has not reached (save_io.SharedSeals; `--seal inline`: by the loop alone), so every MAC is inside the timed loop,
+  overlapping the sends and the node's receive of the objects before it.
+- `tcp+cap+gmac`, `tcp+cap+poly1305`, `tcp+cap+hmac`: the same with the previous
+  constructions, for comparison: GMAC under a one-time key (format version 4,
+  connector/gmac.py; holds the GIL), Poly1305 under a one-time key (format version 3,
+  connector/poly1305.py) and HMAC-SHA256 over the payload (format version 2, hashlib; both
+  release the GIL).
 
 The MAC contenders write each block's header into its first 128 bytes and send `size` bytes
 like the others. No contender talks to a master: the BatchPutStart/BatchPutEnd round trips
@@ -61,8 +64,8 @@ from pdserve.bench import transport_store
 
 MiB = 1 << 20
 _LEN = struct.Struct("!Q")
-CONTENDERS = ("socket", "tcp", "tcp+cap", "tcp+cap+mac", "tcp+cap+poly1305", "tcp+cap+hmac",
-              "ucx")
+CONTENDERS = ("socket", "tcp", "tcp+cap", "tcp+cap+mac", "tcp+cap+gmac", "tcp+cap+poly1305",
+              "tcp+cap+hmac", "ucx")
 _GRANT_KEY, _MAC_KEY = transport_store.GRANT_KEY, transport_store.MAC_KEY
 # 30 layers x (K, V) x 16 tokens x 3 KV heads x 64 dims x 4 bytes, plus the 128-byte header
 SMOLLM2_BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4 + 128
@@ -105,6 +108,11 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "a step's objects, each sealed just before it is sent, their WRITEs "
                         "pipelined on one connection, each with its capability) or the "
                         "one-object-at-a-time path before batching")
+    p.add_argument("--seal", choices=("shared", "inline"), default="shared",
+                   help="batched store path: seal each block's header on a worker thread "
+                        "sealing in order or on the loop just before the send, whichever "
+                        "comes first, as the connector does (the MAC's native calls release "
+                        "the GIL); or on the loop alone")
     p.add_argument("--batch-objects", type=int, default=32,
                    help="objects per batch of the batched store path (a step's blocks)")
     p.add_argument("--buffers", type=int, default=1,
@@ -268,7 +276,7 @@ async def _transport_client(kind: str, port: int, args, sizes, cpu) -> dict:
     store = transport_store
     mac_kind = kind.rpartition("+")[2]
     batched = args.store_path == "batched"
-    send_many = (store.batched_sender(conn, mac_kind, args.batch_objects) if batched
+    send_many = (store.batched_sender(conn, mac_kind, args.batch_objects, args.seal) if batched
                  else store.single_sender(conn, mac_kind))
 
     async def rtt_send(payload: memoryview) -> None:  # a capability-checked empty WRITE
@@ -403,7 +411,8 @@ def _run(args: argparse.Namespace) -> int:
     results = {kind: _median_of_rounds(runs) for kind, runs in rounds.items()}
     summary = _summary(results, sizes)
     summary["rounds"] = args.rounds
-    summary["store_path"] = {"mode": args.store_path, "batch_objects": args.batch_objects,
+    summary["store_path"] = {"mode": args.store_path, "seal": args.seal,
+                             "batch_objects": args.batch_objects,
                              "buffers": args.buffers}
     _print_table(summary, sizes)
     if args.breakdown:

@@ -3,8 +3,9 @@ connector drives it (connector/save_io.py, connector/kvstore/batch_put.py).
 
 `--store-path batched` (the default): objects go in batches of `--batch-objects` (a step's
 blocks), each object in its own buffer of a ring (the staging buffers), the way a put_many
-sends them: each header (its block MAC) sealed on the loop just before its object goes out
-(save_io.InlineSeals, the same class), a capability signed per object (as the master's
+sends them: each header (its block MAC) sealed by a worker thread sealing in order or by the
+loop just before the send, whichever comes first (save_io.SharedSeals, the same class;
+`--seal inline`: by the loop alone), a capability signed per object (as the master's
 BatchPutStart grants each replica), and the node's WRITEs pipelined on one connection
 (Connection.pipeline, the same call). The node checks
 every capability before a byte lands; a refused write fails the benchmark. The master's two
@@ -39,6 +40,16 @@ class _Poly1305Header:
         return poly1305_tag(otk, (bytes(HEADER), payload)).ljust(HEADER, b"\0")
 
 
+class _GmacHeader:
+    """Format version 4's MAC: GMAC (AES-256-GCM over associated data) under a one-time key."""
+
+    def header(self, key: bytes, payload) -> bytes:
+        from pdserve.connector.gmac import gmac_tag
+
+        otk = hmac.digest(MAC_KEY, b"pdkv-gmac-otk\0" + os.urandom(16), hashlib.sha256)
+        return gmac_tag(otk, (bytes(HEADER), payload)).ljust(HEADER, b"\0")
+
+
 class _HmacHeader:
     """Format version 2's MAC: HMAC-SHA256 over the payload, as a codec's `header`."""
 
@@ -52,7 +63,8 @@ def mac_codec(mac_kind: str):
         from pdserve.connector.codec import BlockCodec
 
         return BlockCodec("0f" * 32, 1, 1, 1, 1, mac_key=MAC_KEY)  # geometry unchecked here
-    return {"poly1305": _Poly1305Header(), "hmac": _HmacHeader()}.get(mac_kind)
+    return {"gmac": _GmacHeader(), "poly1305": _Poly1305Header(),
+            "hmac": _HmacHeader()}.get(mac_kind)
 
 
 def write_header(size: int) -> bytes:
@@ -64,26 +76,40 @@ def write_header(size: int) -> bytes:
     return NodeOp(WRITE, 0, size, cap).encode()
 
 
-def batched_sender(conn, mac_kind: str, batch: int):
-    """send_many(ring, count): `count` objects from the ring's buffers, batch by batch."""
-    from pdserve.connector.save_io import InlineSeals
+def batched_sender(conn, mac_kind: str, batch: int, seal: str = "shared"):
+    """send_many(ring, count): `count` objects from the ring's buffers, batch by batch, each
+    header sealed as the connector seals it (`seal`: shared with a worker, or inline)."""
+    from pdserve.connector.save_io import SharedSeals
     from pdserve.connector.transport import RemoteError
 
     codec = mac_codec(mac_kind)
+    loop = asyncio.get_running_loop()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="bench-seal")  # the I/O thread's worker
+
+    def seals(objs):
+        if codec is None:
+            return None
+        if seal == "inline":  # the loop alone
+            return SharedSeals(codec, objs, None)
+        return SharedSeals(codec, objs, lambda fn, *a: loop.run_in_executor(pool, fn, *a))
 
     async def send_many(ring: list, count: int) -> None:
         for at in range(0, count, batch):
             views = [ring[(at + j) % len(ring)] for j in range(min(batch, count - at))]
             objs = [(b"k" * 32, v) for v in views]
-            sealed = InlineSeals(codec, objs) if codec is not None else None
+            sealed = seals(objs)
 
             async def ready(i: int) -> None:
                 if sealed is not None:
                     await sealed[i]
-            answers = await conn.pipeline([(write_header(len(v)), v) for v in views], ready)
+            try:
+                answers = await conn.pipeline([(write_header(len(v)), v) for v in views], ready)
+            finally:
+                if sealed is not None:
+                    await sealed.drain()
             if any(isinstance(a, RemoteError) for a in answers):
                 raise RuntimeError(f"the node refused a write: {answers}")
-    send_many.close = lambda: None
+    send_many.close = pool.shutdown
     return send_many
 
 

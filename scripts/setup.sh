@@ -20,12 +20,14 @@ if ! command -v redis-server >/dev/null 2>&1; then
       || echo "warning: could not install redis-server" >&2
   fi
 fi
-# Build the native CPU kernels now (attention and packed GEMM; each cached in the venv per
+# Build the native CPU kernels now (attention, packed GEMM, the block MAC's NH; each cached in the venv per
 # source version), so no engine started later pays the JIT build inside its start-up deadline.
-# The two builds run side by side: each is mostly one long translation unit.
+# The two C++ builds run side by side (each mostly one long translation unit); NH takes ~1 s.
 .venv/bin/python -c "from pdserve.common.attention.cpu_native import load_cpu_kernels as l; \
 assert l()" & attn=$!
 .venv/bin/python -c "from pdserve.common.models.quant.cpu_native import load_packed_kernels as l; \
 assert l()" & packed=$!
+.venv/bin/python -c "from pdserve.connector.nh import native_available as n; assert n()" \
+  || echo "warning: native NH (block MAC) not prebuilt" >&2
 wait "$attn" || echo "warning: native attention kernels not prebuilt" >&2
 wait "$packed" || echo "warning: packed GEMM kernels not prebuilt" >&2

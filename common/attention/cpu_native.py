@@ -77,7 +77,7 @@ def compile_flags() -> list[str]:
     return flags
 
 
-def _cache_root() -> Path:
+def kernel_cache_root() -> Path:
     env = os.environ.get("PDSERVE_KERNEL_CACHE")
     if env:
         return Path(env)
@@ -101,7 +101,7 @@ def module_name(flags: list[str]) -> str:
 
 
 def build_directory() -> Path:
-    return _cache_root() / module_name(compile_flags())
+    return kernel_cache_root() / module_name(compile_flags())
 
 
 def _import_built(name: str, directory: Path) -> ModuleType:
@@ -116,7 +116,7 @@ def _import_built(name: str, directory: Path) -> ModuleType:
 def build_or_import(name: str, sources, flags: list[str], what: str) -> ModuleType:
     """The extension `name` from the kernel cache, built from `sources` with `flags` first if
     this version was never built (`what` names it in the one log line a build prints)."""
-    directory = _cache_root() / name
+    directory = kernel_cache_root() / name
     if (directory / _OK_MARKER).exists():
         return _import_built(name, directory)
     compiler = os.environ.get("CXX", "c++")
