@@ -23,4 +23,13 @@ python - <<'PY' || echo "warning: native CPU attention kernels not prebuilt; the
 from pdserve.common.attention.cpu_native import load_cpu_kernels
 assert load_cpu_kernels() is not None
 PY
+python - <<'PY' || echo "warning: packed-weight kernels not prebuilt; weights expand with torch"
+from pdserve.common.models.quant.cpu_native import load_packed_kernels
+assert load_packed_kernels() is not None
+PY
+# The block MAC's NH: one binary with an AVX2 and a portable loop, chosen at run time.
+python - <<'PY' || echo "warning: native NH not prebuilt; block MACs use the numpy path"
+from pdserve.connector.nh import native_available
+assert native_available()
+PY
 find /opt/venv -name '__pycache__' -prune -exec rm -rf {} + 2>/dev/null || true
