@@ -28,8 +28,8 @@ The contenders:
 - `tcp+cap+mac`: `tcp+cap`, plus each block's MAC as the connector computes it on its save
   path (connector/save_io.py): BlockCodec.header (HMAC-SHA256 one-time key from a fresh
   nonce, then NH-Poly1305 over header and payload, connector/codec.py, format version 5), on
-  a worker thread sealing the batch in order, or by the loop just before it sends one the
-  worker has not reached (save_io.SharedSeals; `--seal inline`: by the loop alone), so every MAC is inside the timed loop,
+  the loop just before each object is sent (save_io.SharedSeals; `--seal shared`: also by a
+  worker thread sealing the batch in order, whichever reaches an object first), so every MAC is inside the timed loop,
   overlapping the sends and the node's receive of the objects before it.
 - `tcp+cap+gmac`, `tcp+cap+poly1305`, `tcp+cap+hmac`: the same with the previous
   constructions, for comparison: GMAC under a one-time key (format version 4,
@@ -108,11 +108,11 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "a step's objects, each sealed just before it is sent, their WRITEs "
                         "pipelined on one connection, each with its capability) or the "
                         "one-object-at-a-time path before batching")
-    p.add_argument("--seal", choices=("shared", "inline"), default="shared",
-                   help="batched store path: seal each block's header on a worker thread "
-                        "sealing in order or on the loop just before the send, whichever "
-                        "comes first, as the connector does (the MAC's native calls release "
-                        "the GIL); or on the loop alone")
+    p.add_argument("--seal", choices=("inline", "shared"), default="inline",
+                   help="batched store path: seal each block's header on the loop just "
+                        "before its send, as the connector does; or (shared) also on a "
+                        "worker thread sealing ahead in order, whichever reaches a block "
+                        "first (the MAC's native calls release the GIL)")
     p.add_argument("--batch-objects", type=int, default=32,
                    help="objects per batch of the batched store path (a step's blocks)")
     p.add_argument("--buffers", type=int, default=1,

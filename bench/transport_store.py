@@ -3,9 +3,9 @@ connector drives it (connector/save_io.py, connector/kvstore/batch_put.py).
 
 `--store-path batched` (the default): objects go in batches of `--batch-objects` (a step's
 blocks), each object in its own buffer of a ring (the staging buffers), the way a put_many
-sends them: each header (its block MAC) sealed by a worker thread sealing in order or by the
-loop just before the send, whichever comes first (save_io.SharedSeals, the same class;
-`--seal inline`: by the loop alone), a capability signed per object (as the master's
+sends them: each header (its block MAC) sealed on the loop just before the send
+(save_io.SharedSeals, the same class; `--seal shared`: also by a worker thread sealing in
+order, whichever reaches an object first), a capability signed per object (as the master's
 BatchPutStart grants each replica), and the node's WRITEs pipelined on one connection
 (Connection.pipeline, the same call). The node checks
 every capability before a byte lands; a refused write fails the benchmark. The master's two
@@ -76,7 +76,7 @@ def write_header(size: int) -> bytes:
     return NodeOp(WRITE, 0, size, cap).encode()
 
 
-def batched_sender(conn, mac_kind: str, batch: int, seal: str = "shared"):
+def batched_sender(conn, mac_kind: str, batch: int, seal: str = "inline"):
     """send_many(ring, count): `count` objects from the ring's buffers, batch by batch, each
     header sealed as the connector seals it (`seal`: shared with a worker, or inline)."""
     from pdserve.connector.save_io import SharedSeals

@@ -19,9 +19,9 @@ key, a fresh mask per message); why it is sound is in docs/kvstore-security.md. 
 block secret the MAC key is a public constant: still an integrity check, no longer an
 authenticity one.
 `header` and `decode` hash the payload with the GIL released (NH is a ctypes call; Poly1305
-then holds it ~8 us per 0.7 MB block); the connector runs `header` on its I/O thread (its
-worker or its loop, whichever reaches a block first: save_io.SharedSeals) and `decode` on its
-I/O worker, never on the engine thread.
+then holds it ~8 us per 0.7 MB block); the connector runs `header` on its I/O loop just
+before a block is sent (save_io.SharedSeals) and `decode` on its I/O worker, never on the
+engine thread.
 """
 
 from __future__ import annotations

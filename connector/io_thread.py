@@ -5,9 +5,9 @@ from any thread and returns a concurrent future; `close()` cancels what is pendi
 loop and joins the thread. The engine thread never awaits: it submits and later polls results.
 
 `offload(fn, *args)` (from a coroutine on the loop) runs a CPU-bound call (checking loaded
-blocks' MACs, sealing blocks beside their sends: save_io.SharedSeals) on one worker thread, so
-the loop goes on with other I/O meanwhile (the MAC's native calls release the GIL). One
-worker: calls run in submission order, and never more than one core goes to them.
+blocks' MACs) on one worker thread, so the loop goes on with other I/O meanwhile (the MAC's
+native calls release the GIL). One worker: calls run in submission order, and never more than
+one core goes to them. `start_offload` queues one and returns its future at once.
 """
 
 from __future__ import annotations

@@ -2,12 +2,14 @@
 
 A step's objects of one layer segment go to the store in one `put_many` (two master round
 trips for all of them, each node's writes pipelined on one connection: the store client's
-batch_put.py). Each object's header, with its block MAC, is written once, by the I/O thread's
-worker sealing the put's objects in order or by the loop just before it sends one the worker
-has not reached (`SharedSeals`): the MAC's native calls release the GIL (NH-Poly1305,
-connector/codec.py), so the worker seals the next objects while the loop sends this one and
-the node receives the ones before it. Sealing on the loop alone (no worker, what GMAC needed:
-it holds the GIL) puts every MAC in series with the sends.
+batch_put.py). Each object's header, with its block MAC, is written on the I/O loop just
+before the object is sent (`SharedSeals` without a worker), while the node receives the
+objects before it. `SharedSeals` can also let the I/O worker seal ahead (its NH releases the
+GIL) with the loop sealing whatever the worker has not reached; on the 2-core Zen 3 of
+2026-12-02 that was slower at one SmolLM2 block (tcp+cap+mac / socket 0.40-0.58 against
+0.77-1.35 inline, `pdserve bench transport --seal shared|inline`, two sittings): a third busy
+thread on two cores costs more than it overlaps. Hosts with spare cores may differ; not
+measured.
 
 The host class provides `store`, `segments`, `config`, `io`, `stats`, `_lock`, `_saving`,
 `_saved`, `_freed`, `_budget_used` and `_note_failure` (store_connector.py).
@@ -156,11 +158,11 @@ class SaveIO:
 
     async def _put_objects(self, s: int, objs: list[tuple[bytes, memoryview]]) -> list[bool]:
         """Put objects of segment s (store key, encoded view, header still blank) in one
-        put_many, each header sealed by the worker or the loop before its send; which stored."""
+        put_many, each header sealed on the loop just before its send; which stored."""
         if not objs:
             return []
         t0, codec = time.perf_counter(), self.segments.codecs[s]
-        sealed = SharedSeals(codec, objs, self.io.start_offload)
+        sealed = SharedSeals(codec, objs, None)  # the loop seals: faster here, see the module
         try:
             results = await self.store.put_many(objs, lease_s=self.config.lease_s,
                                                 ready=sealed)

@@ -1,7 +1,6 @@
 """The connector's save path computes each block's MAC (BlockCodec.header) once, on its I/O
-thread (its worker sealing in order, or its loop just before a send the worker has not reached:
-save_io.SharedSeals), never on the engine thread that staged it, and what it stores
-verifies."""
+thread's loop (just before the block is sent: save_io.SharedSeals without a worker), never on
+the engine thread that staged it, and what it stores verifies."""
 
 import threading
 from dataclasses import dataclass, field
@@ -23,12 +22,11 @@ class _Recording(BlockCodec):
         return super().header(key, payload)
 
 
-async def _io_thread_names(io) -> set[str]:
-    return {threading.current_thread().name,
-            await io.offload(lambda: threading.current_thread().name)}
+async def _thread_name() -> str:
+    return threading.current_thread().name
 
 
-def test_save_macs_on_the_io_thread_once_per_block_and_the_blocks_verify():
+def test_save_macs_on_the_io_loop_once_per_block_and_the_blocks_verify():
     codec = _Recording("0f" * 32, 2, 4, 2, 8)
     store = InMemoryBlockStore()
     conn = StoreKVConnector(store, codec, ConnectorConfig(role="producer"))
@@ -45,9 +43,9 @@ def test_save_macs_on_the_io_thread_once_per_block_and_the_blocks_verify():
         conn.io.run(conn._put_blocks(blocks_in, ["r"] * len(keys)), timeout=30)
         assert conn.get_finished()[0] == {"r"}
         assert len(codec.threads) == len(keys)
-        io_threads = conn.io.run(_io_thread_names(conn.io), timeout=30)  # loop, worker
-        assert threading.current_thread().name not in io_threads and len(io_threads) == 2
-        assert set(codec.threads) <= io_threads
+        io_loop = conn.io.run(_thread_name(), timeout=30)
+        assert io_loop != threading.current_thread().name
+        assert codec.threads == [io_loop] * len(keys)
         for key, block in zip(keys, blocks):
             got = codec.decode(key, memoryview(bytearray(store.objects[key])))
             assert torch.equal(got, block)
