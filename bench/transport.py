@@ -28,9 +28,8 @@ The contenders:
 - `tcp+cap+mac`: `tcp+cap`, plus each block's MAC as the connector computes it on its save
   path (connector/save_io.py): BlockCodec.header (HMAC-SHA256 one-time key from a fresh
   nonce, then NH-Poly1305 over header and payload, connector/codec.py, format version 5), on
-  the loop just before each object is sent (save_io.SharedSeals; `--seal shared`: also by a
-  worker thread sealing the batch in order, whichever reaches an object first), so every MAC is inside the timed loop,
-  overlapping the sends and the node's receive of the objects before it.
+  the loop just before each object is sent (save_io.InlineSeals), so every MAC is inside the
+  timed loop, overlapping the node's receive of the objects before it.
 - `tcp+cap+gmac`, `tcp+cap+poly1305`, `tcp+cap+hmac`: the same with the previous
   constructions, for comparison: GMAC under a one-time key (format version 4,
   connector/gmac.py; holds the GIL), Poly1305 under a one-time key (format version 3,
@@ -108,11 +107,6 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                         "a step's objects, each sealed just before it is sent, their WRITEs "
                         "pipelined on one connection, each with its capability) or the "
                         "one-object-at-a-time path before batching")
-    p.add_argument("--seal", choices=("inline", "shared"), default="inline",
-                   help="batched store path: seal each block's header on the loop just "
-                        "before its send, as the connector does; or (shared) also on a "
-                        "worker thread sealing ahead in order, whichever reaches a block "
-                        "first (the MAC's native calls release the GIL)")
     p.add_argument("--batch-objects", type=int, default=32,
                    help="objects per batch of the batched store path (a step's blocks)")
     p.add_argument("--buffers", type=int, default=1,
@@ -276,7 +270,7 @@ async def _transport_client(kind: str, port: int, args, sizes, cpu) -> dict:
     store = transport_store
     mac_kind = kind.rpartition("+")[2]
     batched = args.store_path == "batched"
-    send_many = (store.batched_sender(conn, mac_kind, args.batch_objects, args.seal) if batched
+    send_many = (store.batched_sender(conn, mac_kind, args.batch_objects) if batched
                  else store.single_sender(conn, mac_kind))
 
     async def rtt_send(payload: memoryview) -> None:  # a capability-checked empty WRITE
@@ -411,8 +405,7 @@ def _run(args: argparse.Namespace) -> int:
     results = {kind: _median_of_rounds(runs) for kind, runs in rounds.items()}
     summary = _summary(results, sizes)
     summary["rounds"] = args.rounds
-    summary["store_path"] = {"mode": args.store_path, "seal": args.seal,
-                             "batch_objects": args.batch_objects,
+    summary["store_path"] = {"mode": args.store_path, "batch_objects": args.batch_objects,
                              "buffers": args.buffers}
     _print_table(summary, sizes)
     if args.breakdown:

@@ -3,9 +3,8 @@ connector drives it (connector/save_io.py, connector/kvstore/batch_put.py).
 
 `--store-path batched` (the default): objects go in batches of `--batch-objects` (a step's
 blocks), each object in its own buffer of a ring (the staging buffers), the way a put_many
-sends them: each header (its block MAC) sealed on the loop just before the send
-(save_io.SharedSeals, the same class; `--seal shared`: also by a worker thread sealing in
-order, whichever reaches an object first), a capability signed per object (as the master's
+sends them: each header (its block MAC) sealed on the loop just before its object goes out
+(save_io.InlineSeals, the same class), a capability signed per object (as the master's
 BatchPutStart grants each replica), and the node's WRITEs pipelined on one connection
 (Connection.pipeline, the same call). The node checks
 every capability before a byte lands; a refused write fails the benchmark. The master's two
@@ -76,40 +75,26 @@ def write_header(size: int) -> bytes:
     return NodeOp(WRITE, 0, size, cap).encode()
 
 
-def batched_sender(conn, mac_kind: str, batch: int, seal: str = "inline"):
-    """send_many(ring, count): `count` objects from the ring's buffers, batch by batch, each
-    header sealed as the connector seals it (`seal`: shared with a worker, or inline)."""
-    from pdserve.connector.save_io import SharedSeals
+def batched_sender(conn, mac_kind: str, batch: int):
+    """send_many(ring, count): `count` objects from the ring's buffers, batch by batch."""
+    from pdserve.connector.save_io import InlineSeals
     from pdserve.connector.transport import RemoteError
 
     codec = mac_codec(mac_kind)
-    loop = asyncio.get_running_loop()
-    pool = ThreadPoolExecutor(1, thread_name_prefix="bench-seal")  # the I/O thread's worker
-
-    def seals(objs):
-        if codec is None:
-            return None
-        if seal == "inline":  # the loop alone
-            return SharedSeals(codec, objs, None)
-        return SharedSeals(codec, objs, lambda fn, *a: loop.run_in_executor(pool, fn, *a))
 
     async def send_many(ring: list, count: int) -> None:
         for at in range(0, count, batch):
             views = [ring[(at + j) % len(ring)] for j in range(min(batch, count - at))]
             objs = [(b"k" * 32, v) for v in views]
-            sealed = seals(objs)
+            sealed = InlineSeals(codec, objs) if codec is not None else None
 
             async def ready(i: int) -> None:
                 if sealed is not None:
                     await sealed[i]
-            try:
-                answers = await conn.pipeline([(write_header(len(v)), v) for v in views], ready)
-            finally:
-                if sealed is not None:
-                    await sealed.drain()
+            answers = await conn.pipeline([(write_header(len(v)), v) for v in views], ready)
             if any(isinstance(a, RemoteError) for a in answers):
                 raise RuntimeError(f"the node refused a write: {answers}")
-    send_many.close = pool.shutdown
+    send_many.close = lambda: None
     return send_many
 
 

@@ -20,7 +20,7 @@ block secret the MAC key is a public constant: still an integrity check, no long
 authenticity one.
 `header` and `decode` hash the payload with the GIL released (NH is a ctypes call; Poly1305
 then holds it ~8 us per 0.7 MB block); the connector runs `header` on its I/O loop just
-before a block is sent (save_io.SharedSeals) and `decode` on its I/O worker, never on the
+before a block is sent (save_io.InlineSeals) and `decode` on its I/O worker, never on the
 engine thread.
 """
 

@@ -5,9 +5,8 @@ from any thread and returns a concurrent future; `close()` cancels what is pendi
 loop and joins the thread. The engine thread never awaits: it submits and later polls results.
 
 `offload(fn, *args)` (from a coroutine on the loop) runs a CPU-bound call (checking loaded
-blocks' MACs) on one worker thread, so the loop goes on with other I/O meanwhile (the MAC's
-native calls release the GIL). One worker: calls run in submission order, and never more than
-one core goes to them. `start_offload` queues one and returns its future at once.
+blocks' MACs) on one worker thread, so the loop can answer other I/O between its GIL-holding
+pieces. One worker: calls run in submission order, and never more than one core goes to them.
 """
 
 from __future__ import annotations
@@ -36,11 +35,7 @@ class IOThread:
 
     async def offload(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) on the worker thread (await it from a coroutine on this loop)."""
-        return await self.start_offload(fn, *args)
-
-    def start_offload(self, fn: Callable[..., T], *args) -> asyncio.Future:
-        """fn(*args) queued on the worker thread now; its future (call it on this loop)."""
-        return asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     def run(self, coro, timeout: float):
         """Run a coroutine on the loop and wait for it (for short metadata calls)."""

@@ -2,14 +2,12 @@
 
 A step's objects of one layer segment go to the store in one `put_many` (two master round
 trips for all of them, each node's writes pipelined on one connection: the store client's
-batch_put.py). Each object's header, with its block MAC, is written on the I/O loop just
-before the object is sent (`SharedSeals` without a worker), while the node receives the
-objects before it. `SharedSeals` can also let the I/O worker seal ahead (its NH releases the
-GIL) with the loop sealing whatever the worker has not reached; on the 2-core Zen 3 of
-2026-12-02 that was slower at one SmolLM2 block (tcp+cap+mac / socket 0.40-0.58 against
-0.77-1.35 inline, `pdserve bench transport --seal shared|inline`, two sittings): a third busy
-thread on two cores costs more than it overlaps. Hosts with spare cores may differ; not
-measured.
+batch_put.py). Each object's header, with its block MAC, is written on the loop just before
+the object is sent (`InlineSeals`), while the node receives the objects before it: the MAC
+(NH-Poly1305, 76-91 us for a 0.7 MB block on a 2-core Zen 3, connector/codec.py) costs about
+what a hand-off to a worker thread does, and on two cores a worker has no core of its own:
+letting the I/O worker seal ahead beside the loop (NH releases the GIL; commit 3a6c808) was
+slower there, 0.40-0.58 of a raw socket at one SmolLM2 block against 0.77-1.35 inline.
 
 The host class provides `store`, `segments`, `config`, `io`, `stats`, `_lock`, `_saving`,
 `_saved`, `_freed`, `_budget_used` and `_note_failure` (store_connector.py).
@@ -19,43 +17,27 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import threading
 import time
 from collections.abc import Sequence
-from typing import Callable, Optional
+from typing import Optional
 
 from pdserve.connector.codec import HEADER_SIZE, BlockCodec
 from pdserve.connector.staging import Block, StagedStep, staged_blocks
 from pdserve.connector.store import put_stored
 
 
-class _Shared:
-    """What SharedSeals' slices share: each object's state under one lock."""
-    PENDING, CLAIMED, SEALED = 0, 1, 2
 
-    def __init__(self, n: int):
-        self.cond = threading.Condition()
-        self.state = [self.PENDING] * n
-        self.stop = False  # drain(): the worker claims nothing more
-        self.worker: Optional[asyncio.Future] = None
-
-
-class SharedSeals(Sequence):
-    """`ready` for put_many, sealing (codec.header) each object exactly once by whichever
-    gets to it first: one worker call per put (`start`: the I/O worker, started by the first
-    `ready[i]`) seals the objects in order, while the loop, asked for `ready[i]`, seals object
-    i itself if the worker has not claimed it yet, or waits (blocking, at most one MAC) for the
-    worker to finish it; then `ready[i]` is a done future, awaitable by every replica's write.
-    The MAC's native calls release the GIL, so the worker seals the next objects while the
-    loop sends this one, with no hand-off per object. Without `start` the loop seals each
-    object just before its send (nothing ahead of need). A slice (put_many's batches) shares
-    the state of the whole. `drain()` before the buffers are reused."""
+class InlineSeals(Sequence):
+    """`ready` for put_many: `ready[i]` writes object i's header (its MAC, codec.header) on the
+    caller's thread the first time it is asked for, and is then a done future (awaitable by
+    every replica's write). So each MAC runs just before its object is sent, while the node
+    receives the objects before it. A slice (put_many splits a call into batches) shares what
+    is sealed with the whole."""
 
     def __init__(self, codec: BlockCodec, objs: list[tuple[bytes, memoryview]],
-                 start: Optional[Callable[..., asyncio.Future]],
-                 _shared: Optional[_Shared] = None, _at: Optional[range] = None):
-        self._codec, self._objs, self._start = codec, objs, start
-        self._shared = _Shared(len(objs)) if _shared is None else _shared
+                 _sealed: Optional[list[bool]] = None, _at: Optional[range] = None):
+        self._codec, self._objs = codec, objs
+        self._sealed = [False] * len(objs) if _sealed is None else _sealed
         self._at = range(len(objs)) if _at is None else _at
         self._done = asyncio.get_running_loop().create_future()
         self._done.set_result(None)
@@ -65,47 +47,13 @@ class SharedSeals(Sequence):
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return SharedSeals(self._codec, self._objs, self._start, self._shared, self._at[i])
-        sh = self._shared
-        if sh.worker is None and not sh.stop and self._start is not None:
-            sh.worker = self._start(self._work)
-        if self._claim(self._at[i], wait=True):
-            self._seal(self._at[i])
-        return self._done
-
-    def _claim(self, j: int, wait: bool) -> bool:
-        """Whether the caller is to seal object j (it was pending); with `wait`, an object
-        the other side is sealing is waited for."""
-        sh = self._shared
-        with sh.cond:
-            if sh.state[j] == _Shared.PENDING:
-                sh.state[j] = _Shared.CLAIMED
-                return True
-            while wait and sh.state[j] != _Shared.SEALED:
-                sh.cond.wait()
-            return False
-
-    def _seal(self, j: int) -> None:
-        key, view = self._objs[j]
-        try:
+            return InlineSeals(self._codec, self._objs, self._sealed, self._at[i])
+        j = self._at[i]
+        if not self._sealed[j]:
+            key, view = self._objs[j]
             view[:HEADER_SIZE] = self._codec.header(key, view[HEADER_SIZE:])
-        finally:  # a failed seal leaves a blank header: the node stores it, readers refuse it
-            with self._shared.cond:
-                self._shared.state[j] = _Shared.SEALED
-                self._shared.cond.notify_all()
-
-    def _work(self) -> None:
-        for j in range(len(self._objs)):
-            if self._shared.stop:
-                return
-            if self._claim(j, wait=False):
-                self._seal(j)
-
-    async def drain(self) -> None:
-        """Stop the worker claiming objects and wait for what it is sealing."""
-        self._shared.stop = True
-        if self._shared.worker is not None:
-            await asyncio.gather(self._shared.worker, return_exceptions=True)
+            self._sealed[j] = True
+        return self._done
 
 
 class SaveIO:
@@ -158,18 +106,15 @@ class SaveIO:
 
     async def _put_objects(self, s: int, objs: list[tuple[bytes, memoryview]]) -> list[bool]:
         """Put objects of segment s (store key, encoded view, header still blank) in one
-        put_many, each header sealed on the loop just before its send; which stored."""
+        put_many, each header sealed just before its object goes out; which stored."""
         if not objs:
             return []
         t0, codec = time.perf_counter(), self.segments.codecs[s]
-        sealed = SharedSeals(codec, objs, None)  # the loop seals: faster here, see the module
         try:
             results = await self.store.put_many(objs, lease_s=self.config.lease_s,
-                                                ready=sealed)
+                                                ready=InlineSeals(codec, objs))
         except Exception as exc:  # noqa: BLE001 - the store is down: every put failed
             results = [exc] * len(objs)
-        finally:
-            await sealed.drain()  # the staging buffers are released after this returns
         ok = [self._stored(r) for r in results]
         self.stats.bytes_saved += sum(ok) * codec.nbytes
         self.stats.save_seconds += time.perf_counter() - t0

@@ -1,6 +1,6 @@
 """The connector's save path computes each block's MAC (BlockCodec.header) once, on its I/O
-thread's loop (just before the block is sent: save_io.SharedSeals without a worker), never on
-the engine thread that staged it, and what it stores verifies."""
+thread's loop (just before the block is sent), never on the engine thread that staged it, and
+what it stores verifies."""
 
 import threading
 from dataclasses import dataclass, field

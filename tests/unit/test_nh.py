@@ -16,10 +16,7 @@ VECTORS = json.loads((Path(__file__).parent / "data" / "nh_adiantum.json").read_
 
 def _c_loop(use_avx2: int):
     """The library's entry point with the ISA chosen here, not by the CPU check."""
-    fn = nh._load_library().pdserve_nh_chunks
-    fn.restype = ctypes.c_size_t
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
-                   ctypes.c_int]
+    fn = nh.bind_entry(nh._load_library())
 
     def call(key: np.ndarray, msg: bytes) -> bytes:
         src = np.frombuffer(msg, dtype=np.uint8).copy()

@@ -1,17 +1,13 @@
 """The connector's save path batches: one put_many per layer segment of a step, each header
-(MAC) sealed once before its object is sent (by the I/O worker or the loop),
+(MAC) sealed on the loop just before its object is sent,
 and a store's per-item failures counted per block."""
 
 import asyncio
-import concurrent.futures
-import threading
-from dataclasses import dataclass
 
-import pytest
 import torch
 
 from pdserve.connector.codec import HEADER_SIZE, BlockCodec
-from pdserve.connector.save_io import SharedSeals
+from pdserve.connector.save_io import InlineSeals
 from pdserve.connector.staging import staged_blocks
 from pdserve.connector.store import InMemoryBlockStore
 from pdserve.connector.store_connector import ConnectorConfig, StoreKVConnector
@@ -82,13 +78,13 @@ def test_per_item_failures_fail_only_their_blocks():
         conn.close()
 
 
-def test_without_a_worker_each_header_is_sealed_once_when_first_asked_for_slices_included():
+def test_inline_seals_seal_each_header_once_when_first_asked_for_slices_included():
     n = 6
     bufs = [bytearray(CODEC.nbytes) for _ in range(n)]
     objs = [(bytes([i]) * 32, memoryview(b)) for i, b in enumerate(bufs)]
 
     async def main():
-        seals = SharedSeals(CODEC, objs, None)
+        seals = InlineSeals(CODEC, objs)
         assert len(seals) == n and all(v[:HEADER_SIZE] == bytes(HEADER_SIZE) for _, v in objs)
         await seals[2]
         sealed = [v[:HEADER_SIZE] != bytes(HEADER_SIZE) for _, v in objs]
@@ -109,51 +105,3 @@ def test_without_a_worker_each_header_is_sealed_once_when_first_asked_for_slices
     asyncio.run(main())
     for key, view in objs:
         CODEC.decode(key, view)  # every MAC verifies
-
-
-def test_shared_seals_seal_each_object_once_by_the_worker_or_the_loop():
-    n = 7
-    bufs = [bytearray(CODEC.nbytes) for _ in range(n)]
-    objs = [(bytes([i]) * 32, memoryview(b)) for i, b in enumerate(bufs)]
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    gate = threading.Event()  # holds the worker back, so the loop seals what it asks for
-    sealers: dict[int, str] = {}
-    seals_made: list[int] = []
-
-    @dataclass(frozen=True)
-    class Recording(BlockCodec):
-        def header(self, key, payload):
-            sealers.setdefault(key[0], threading.current_thread().name)
-            seals_made.append(key[0])
-            if threading.current_thread() is not threading.main_thread():
-                gate.wait(10)
-            return super().header(key, payload)
-    codec = Recording(CODEC.fingerprint, CODEC.num_layers, CODEC.block_size,
-                      CODEC.num_kv_heads, CODEC.head_dim)
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        starts = []
-
-        def start(fn):
-            starts.append(fn)
-            return loop.run_in_executor(pool, fn)
-        seals = SharedSeals(codec, objs, start)
-        tail = seals[4:]  # put_many's batches: a slice shares the state of the whole
-        await tail[1]  # object 5, by the loop: the worker is held at object 0
-        assert sealers.get(5) == threading.main_thread().name and len(starts) == 1
-        gate.set()
-        await seals[0]  # the worker's: waited for, not sealed twice
-        for i in range(n):
-            await seals[i]
-        await seals.drain()
-        assert len(starts) == 1  # one worker call for the whole put
-        assert sorted(seals_made) == list(range(n))  # each object sealed exactly once
-        assert sealers[0] != threading.main_thread().name
-
-    try:
-        asyncio.run(main())
-    finally:
-        pool.shutdown()
-    for key, view in objs:
-        codec.decode(key, view)  # every MAC verifies, each sealed once (one nonce)
