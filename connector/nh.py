@@ -7,18 +7,20 @@ hashes (32 bytes per KiB of payload) to Poly1305 under a one-time key, as Adiant
 NH-Poly1305 does, so the slow part of a MAC runs over 1/32 of the bytes. Why NH: its inner
 loop is a 32-bit add and a 32x32->64 multiply per word pair, no carry-less multiply: 11-14
 GB/s per core with AVX2 (2.5-3.4 in portable C) on the Zen 3 this project benched on, where
-GMAC ran at 4-5; see docs/kvstore-security.md, "The block MAC".
+GMAC ran at 4-5; an AVX-512 loop runs where the kernels build for AVX-512. See
+docs/kvstore-security.md, "The block MAC".
 
 The loops are C (connector/native/nh.c), compiled once per source version into the kernel
 cache (`kernel_cache_root`, as the attention kernels are) and called through ctypes, so a call
 releases the GIL. Where no C compiler works, `nh_reference` (numpy, the specification, ~100x
-slower) computes the same bytes and one warning is logged. `PDSERVE_CPU_ISA=scalar` (the
-kernels' ISA cap) selects the C code's portable loop.
+slower) computes the same bytes and one warning is logged. `PDSERVE_CPU_ISA` (the kernels'
+ISA cap) chooses the loop: `avx2` the AVX2 one, `scalar` the portable one.
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
 import hashlib
 import hmac
@@ -95,10 +97,22 @@ def native_available() -> bool:
     return _native() is not None
 
 
-def _use_avx2() -> bool:
+class Isa(enum.IntEnum):
+    """The loops of nh.c, as its `isa` argument numbers them."""
+
+    SCALAR = 0
+    AVX2 = 1
+    AVX512 = 2
+
+
+def best_isa() -> Isa:
+    """The widest loop this CPU runs under the kernels' ISA cap (PDSERVE_CPU_ISA)."""
     from pdserve.common.attention.cpu_native import compile_flags  # the one ISA setting
 
-    return "-mavx2" in compile_flags()
+    flags = compile_flags()
+    if "-mavx512f" in flags:
+        return Isa.AVX512
+    return Isa.AVX2 if "-mavx2" in flags else Isa.SCALAR
 
 
 @functools.lru_cache(maxsize=1)
@@ -109,7 +123,7 @@ def _native() -> Optional[Callable[[np.ndarray, Buffer], bytes]]:
         log.warning("native NH unavailable (%s): block MACs use the numpy path, ~100x slower",
                     e)
         return None
-    avx2 = int(_use_avx2())
+    isa = int(best_isa())
 
     def call(key: np.ndarray, msg: Buffer) -> bytes:
         n = memoryview(msg).nbytes
@@ -117,14 +131,15 @@ def _native() -> Optional[Callable[[np.ndarray, Buffer], bytes]]:
         if n:
             keep, address = pinned_address(msg)
             fn(key.ctypes.data, address, n, ctypes.addressof(
-                ctypes.c_char.from_buffer(out)), avx2)  # the GIL is released in here
+                ctypes.c_char.from_buffer(out)), isa)  # the GIL is released in here
             del keep
         return bytes(out)
     return call
 
 
 def bind_entry(lib: ctypes.CDLL):
-    """The library's `pdserve_nh_chunks(key, msg, len, out, use_avx2) -> bytes written`, typed."""
+    """The library's `pdserve_nh_chunks(key, msg, len, out, isa) -> bytes written`, typed
+    (isa: an `Isa`)."""
     fn = lib.pdserve_nh_chunks
     fn.restype = ctypes.c_size_t
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,

@@ -81,14 +81,46 @@ __attribute__((target("avx2"))) static void chunk_avx2(const uint32_t *key, cons
     memcpy(out, s, NH_HASH);
 }
 
+/* Four units per step: the AVX2 loop's shuffles in each 128-bit lane of a 512-bit vector. */
+#define NH_PASS_AVX512(acc, off)                                                           \
+    do {                                                                                   \
+        __m512i t = _mm512_add_epi32(m, _mm512_loadu_si512((const void *)(k + (off))));   \
+        acc = _mm512_add_epi64(acc, _mm512_mul_epu32(_mm512_shuffle_epi32(t, 0x10),       \
+                                                     _mm512_shuffle_epi32(t, 0x32)));     \
+    } while (0)
+
+__attribute__((target("avx512f"))) static void chunk_avx512(const uint32_t *key,
+                                                            const uint8_t *msg, size_t len,
+                                                            uint8_t *out) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    size_t units = len / NH_UNIT, u = 0;
+    for (; u + 4 <= units; u += 4) {
+        __m512i m = _mm512_loadu_si512((const void *)(msg + NH_UNIT * u));
+        const uint32_t *k = key + 4 * u;
+        NH_PASS_AVX512(a0, 0);
+        NH_PASS_AVX512(a1, 4);
+        NH_PASS_AVX512(a2, 8);
+        NH_PASS_AVX512(a3, 12);
+    }
+    uint64_t s[NH_PASSES] = {_mm512_reduce_add_epi64(a0), _mm512_reduce_add_epi64(a1),
+                             _mm512_reduce_add_epi64(a2), _mm512_reduce_add_epi64(a3)};
+    rest_scalar(key, msg, u, units, len % NH_UNIT, s);
+    memcpy(out, s, NH_HASH);
+}
+
+/* The instruction sets pdserve_nh_chunks may use; the caller checked the CPU and any ISA cap. */
+enum { NH_SCALAR = 0, NH_AVX2 = 1, NH_AVX512 = 2 };
+
 /* NH of msg in 1024-byte chunks: out receives ceil(len / 1024) hashes of 32 bytes (none for
- * len 0). use_avx2: the caller checked the CPU (and any ISA cap). Returns the bytes written. */
+ * len 0). isa: one of the NH_* levels above. Returns the bytes written. */
 size_t pdserve_nh_chunks(const uint32_t *key, const uint8_t *msg, size_t len, uint8_t *out,
-                         int use_avx2) {
+                         int isa) {
     size_t written = 0;
     for (size_t at = 0; at < len; at += NH_CHUNK, written += NH_HASH) {
         size_t n = len - at < NH_CHUNK ? len - at : NH_CHUNK;
-        if (use_avx2)
+        if (isa >= NH_AVX512)
+            chunk_avx512(key, msg + at, n, out + written);
+        else if (isa == NH_AVX2)
             chunk_avx2(key, msg + at, n, out + written);
         else
             chunk_scalar(key, msg + at, n, out + written);

@@ -1,5 +1,5 @@
-"""NH (connector/nh.py, connector/native/nh.c) is Adiantum's NH: its numpy definition and both
-C loops (AVX2 and portable) give Adiantum's published hashes, and equal each other on every
+"""NH (connector/nh.py, connector/native/nh.c) is Adiantum's NH: its numpy definition and every
+C loop (AVX-512, AVX2 and portable) give Adiantum's published hashes, and equal each other on every
 length, including the partial units and chunks a block payload never has."""
 
 import ctypes
@@ -14,23 +14,24 @@ from pdserve.connector import nh
 VECTORS = json.loads((Path(__file__).parent / "data" / "nh_adiantum.json").read_text())["vectors"]
 
 
-def _c_loop(use_avx2: int):
+def _c_loop(isa: nh.Isa):
     """The library's entry point with the ISA chosen here, not by the CPU check."""
     fn = nh.bind_entry(nh._load_library())
 
     def call(key: np.ndarray, msg: bytes) -> bytes:
         src = np.frombuffer(msg, dtype=np.uint8).copy()
         out = np.zeros(nh.hashes_nbytes(len(msg)), dtype=np.uint8)
-        assert fn(key.ctypes.data, src.ctypes.data, len(msg), out.ctypes.data, use_avx2) \
+        assert fn(key.ctypes.data, src.ctypes.data, len(msg), out.ctypes.data, isa) \
             == len(out)
         return out.tobytes()
     return call
 
 
 LOOPS = {"reference": nh.nh_reference, "dispatched": nh.nh_chunks,
-         "portable": _c_loop(0)}
-if nh._use_avx2():  # the AVX2 loop runs wherever the kernels build for AVX2
-    LOOPS["avx2"] = _c_loop(1)
+         "portable": _c_loop(nh.Isa.SCALAR)}
+for _isa in (nh.Isa.AVX2, nh.Isa.AVX512):  # each wider loop wherever the kernels build for it
+    if nh.best_isa() >= _isa:
+        LOOPS[_isa.name.lower()] = _c_loop(_isa)
 
 
 @pytest.mark.parametrize("loop", sorted(LOOPS))
@@ -75,3 +76,9 @@ def test_the_native_loop_is_built_and_runs_without_the_gil():
     lib = nh._load_library()
     assert isinstance(lib, ctypes.CDLL) and not isinstance(lib, ctypes.PyDLL)
     assert nh.native_available()  # the suite's machines have a C compiler
+
+
+@pytest.mark.parametrize("cap,widest", [("scalar", nh.Isa.SCALAR), ("avx2", nh.Isa.AVX2)])
+def test_the_isa_cap_bounds_the_loop(monkeypatch, cap, widest):
+    monkeypatch.setenv("PDSERVE_CPU_ISA", cap)
+    assert nh.best_isa() <= widest
