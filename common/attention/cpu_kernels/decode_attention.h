@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -116,6 +117,48 @@ inline float exp_sub_sum(float* x, float m, int64_t n) {
   return sum;
 }
 
+#ifdef __AVX512F__
+using pdserve_kernels::load16;
+
+// Lane j of the result = the sum of a[j]'s 16 lanes.
+inline __m256 reduce8x16(const __m512* a) {
+  __m256 h[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j)
+    h[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1)));
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Scores of 8 tokens against GC <= 3 queries, 16 lanes of d at a time: each K vector is loaded
+// and widened once for all GC queries (8 * GC accumulators + GC queries fit the 32 registers),
+// where the AVX2 loop widens it once per query. sc[g * sc_stride + j] = q[g] . k[j].
+template <int GC, typename T>
+inline void qk8_avx512(const float* q, int64_t d, const T* kt, int64_t row_stride, float* sc,
+                       int64_t sc_stride) {
+  __m512 a[GC][8];
+#pragma GCC unroll 8
+  for (int g = 0; g < GC; ++g)
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) a[g][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 16) {
+    __m512 qv[GC];
+#pragma GCC unroll 8
+    for (int g = 0; g < GC; ++g) qv[g] = _mm512_loadu_ps(q + g * d + c);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512 kv = load16(kt + j * row_stride + c);
+#pragma GCC unroll 8
+      for (int g = 0; g < GC; ++g) a[g][j] = _mm512_fmadd_ps(qv[g], kv, a[g][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < GC; ++g) _mm256_storeu_ps(sc + g * sc_stride, reduce8x16(a[g]));
+}
+#endif
+
 // Scores of nt consecutive tokens of one block against the G queries:
 // sc[g * sc_stride + t] = q[g] . k[t], K rows row_stride apart. Also prefetches the same rows
 // of the blocks at pf_a and pf_b (either may be null) for the caller.
@@ -123,6 +166,26 @@ template <typename T>
 void qk_block(const float* q, int64_t group, int64_t d, const T* k, int64_t row_stride,
               int64_t nt, float* sc, int64_t sc_stride, const T* pf_a, const T* pf_b) {
   int64_t t = 0;
+#ifdef __AVX512F__
+  if (d % 16 == 0) {  // 8 tokens at a time, queries in chunks of 3 (qk8_avx512)
+    for (; t + 8 <= nt; t += 8) {
+      for (int64_t j = t; j < t + 8; ++j) {
+        if (pf_a) prefetch_row(pf_a + j * row_stride, d);
+        if (pf_b) prefetch_row(pf_b + j * row_stride, d);
+      }
+      const T* kt = k + t * row_stride;
+      for (int64_t g = 0; g < group; g += 3) {
+        const float* qg = q + g * d;
+        float* sg = sc + g * sc_stride + t;
+        switch (std::min<int64_t>(3, group - g)) {
+          case 1: qk8_avx512<1>(qg, d, kt, row_stride, sg, sc_stride); break;
+          case 2: qk8_avx512<2>(qg, d, kt, row_stride, sg, sc_stride); break;
+          default: qk8_avx512<3>(qg, d, kt, row_stride, sg, sc_stride); break;
+        }
+      }
+    }
+  }
+#endif
 #ifdef PDSERVE_AVX2
   // 8 tokens at a time: 8 accumulators per query, reduced together into one vector of 8 scores
   // (one horizontal reduction per 8 dots instead of per dot)
@@ -184,25 +247,61 @@ void pv_chunk(float* acc, int64_t d, const float* p, int64_t p_stride, const T* 
 }
 #endif
 
+#ifdef __AVX512F__
+// pv_chunk with 16 lanes of d at a time: half the loads, widenings and FMAs per V row.
+template <int GC, typename T>
+void pv_chunk16(float* acc, int64_t d, const float* p, int64_t p_stride, const T* v,
+                int64_t row_stride, int64_t nt) {
+  for (int64_t c = 0; c < d; c += 16) {
+    __m512 a[GC];
+#pragma GCC unroll 8
+    for (int g = 0; g < GC; ++g) a[g] = _mm512_loadu_ps(acc + g * d + c);
+    for (int64_t t = 0; t < nt; ++t) {
+      const __m512 vv = load16(v + t * row_stride + c);
+#pragma GCC unroll 8
+      for (int g = 0; g < GC; ++g)
+        a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * p_stride + t]), vv, a[g]);
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < GC; ++g) _mm512_storeu_ps(acc + g * d + c, a[g]);
+  }
+}
+#endif
+
+// f(std::integral_constant<int, n>{}) for n in 1..8: a runtime group count as a template one.
+template <typename F>
+inline void with_group_count(int64_t n, F&& f) {
+  switch (n) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 // acc[g] (d floats each) += sum_t p[g * p_stride + t] * v[t], V rows row_stride apart.
 template <typename T>
 void pv_block(float* acc, int64_t group, int64_t d, const float* p, int64_t p_stride,
               const T* v, int64_t row_stride, int64_t nt) {
-#ifdef PDSERVE_AVX2
+#ifdef PDSERVE_AVX2  // (the AVX-512 builds are AVX2 builds too: cpu_native.compile_flags)
   if (d % 8 == 0) {
     for (int64_t g0 = 0; g0 < group; g0 += 8) {
       float* a = acc + g0 * d;
       const float* pg = p + g0 * p_stride;
-      switch (std::min<int64_t>(8, group - g0)) {
-        case 1: pv_chunk<1>(a, d, pg, p_stride, v, row_stride, nt); break;
-        case 2: pv_chunk<2>(a, d, pg, p_stride, v, row_stride, nt); break;
-        case 3: pv_chunk<3>(a, d, pg, p_stride, v, row_stride, nt); break;
-        case 4: pv_chunk<4>(a, d, pg, p_stride, v, row_stride, nt); break;
-        case 5: pv_chunk<5>(a, d, pg, p_stride, v, row_stride, nt); break;
-        case 6: pv_chunk<6>(a, d, pg, p_stride, v, row_stride, nt); break;
-        case 7: pv_chunk<7>(a, d, pg, p_stride, v, row_stride, nt); break;
-        default: pv_chunk<8>(a, d, pg, p_stride, v, row_stride, nt); break;
-      }
+      with_group_count(std::min<int64_t>(8, group - g0), [&](auto gc) {
+        constexpr int GC = decltype(gc)::value;
+#ifdef __AVX512F__
+        if (d % 16 == 0) {
+          pv_chunk16<GC>(a, d, pg, p_stride, v, row_stride, nt);
+          return;
+        }
+#endif
+        pv_chunk<GC>(a, d, pg, p_stride, v, row_stride, nt);
+      });
     }
     return;
   }
