@@ -20,8 +20,12 @@ writes (a cancelled load) are held until it reports them done.
 Pipeline parallel (`pipeline_depth` P > 1): up to P scheduled steps may be in flight at once
 (vLLM's batch queue). A request in a step in flight is not scheduled again until that step's
 output is booked, and is never a preemption victim (its blocks are in use down the pipeline);
-each step takes at most ceil(requests / P) sequences, so the requests split into P
-micro-batches that keep every stage busy.
+each step takes at most ceil(requests / P) sequences and ceil(token budget / P) tokens, so the
+requests split into P micro-batches that keep every stage busy: in decode by sequences, in
+prefill by tokens (with the whole budget, the first step of a burst of prompts would take every
+prompt token and leave the next step empty, so each stage idles while the other computes a
+whole budget's worth; with 1/P of it the stages take turns on half-budget chunks). Without
+chunked prefill a prompt larger than the share still goes whole, as the step's only prompt.
 """
 
 from __future__ import annotations
@@ -94,10 +98,17 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
         cap = self._seq_cap()
-        budget = self._schedule_running(scheduled, preempted, self.token_budget, cap)
+        budget = self._schedule_running(scheduled, preempted, self.step_token_budget(), cap)
         if not preempted:
             self._schedule_waiting(scheduled, budget, cap)
         return self._freeze(scheduled, preempted)
+
+    def step_token_budget(self) -> int:
+        """Tokens one step may take: the budget (P = 1), else a 1/P share of it, so that a burst
+        of prompts splits into P micro-batches instead of one full step and an empty one.
+        `token_budget` is the one setting (max_num_batched_tokens, or the ITL controller's
+        value); the share is derived from it each step."""
+        return max(1, -(-self.token_budget // self.pipeline_depth))
 
     def _seq_cap(self) -> int:
         """Sequences one step may take: all (P = 1), else a 1/P share of the requests, so
@@ -240,9 +251,10 @@ class Scheduler:
                     continue
             n = req.num_tokens - n_cached
             if n > budget:
-                if not self.chunked_prefill:
+                if self.chunked_prefill:
+                    n = budget
+                elif not self._fits_whole(scheduled, n, budget):
                     return
-                n = budget
             if self.kv.allocate_slots(req, n, hits) is None:
                 return
             self._admit(req, n_cached)
@@ -250,6 +262,15 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+
+    def _fits_whole(self, scheduled, n: int, budget: int) -> bool:
+        """Without chunked prefill: may an n-token prompt larger than this step's remaining
+        share go whole? Yes when no other prompt is in the step and it fits what is left of the
+        full budget (the share is for splitting prompts into micro-batches; a prompt that
+        cannot be split must not wait for a step with nothing in it)."""
+        if any(k > 1 for _, k in scheduled):
+            return False
+        return n <= budget + self.token_budget - self.step_token_budget()
 
     def _admit(self, req: Request, n_cached: int) -> None:
         """Take req off the waiting queue, starting after its n_cached computed tokens."""

@@ -243,3 +243,54 @@ def test_a_finished_producer_request_is_emitted_once_its_kv_is_saved():
     assert sched.update_from_output(idle, None) == [a]
     assert a.history[-1] == S.RECLAIMED and pool.num_free_blocks == 8
     assert not sched.has_unfinished()
+
+
+def _book(sched, out, token=7):
+    n = len(sched.sampled_requests(out))
+    sched.update_from_output(out, SamplerOutput([token] * n, None))
+
+
+def _chunks(out):
+    return [(c.request_id, c.num_tokens) for c in out.chunks]
+
+
+@pytest.mark.parametrize("depth, steps", [
+    (1, [[("r0", 12), ("r1", 12), ("r2", 8)]]),
+    # 1/2 of the budget per step: the burst splits into two micro-batches in flight together
+    (2, [[("r0", 12), ("r1", 4)], [("r2", 12), ("r3", 4)]]),
+])
+def test_a_pipeline_step_takes_a_share_of_the_token_budget(depth, steps):
+    pool = BlockPool(32, True)
+    kv = KVCacheManager(pool, BS, "fake-model")
+    sched = Scheduler(kv, 8, 32, pipeline_depth=depth)
+    for i in range(4):
+        sched.add_request(req(f"r{i}", 12, first=100 * i))
+    outs = [sched.schedule() for _ in steps]
+    assert [_chunks(o) for o in outs] == steps
+    assert sched.step_token_budget() == 32 // depth
+    for o in outs:
+        _book(sched, o)
+    sched.token_budget = 9  # the ITL controller's value: the share follows it
+    assert sched.step_token_budget() == -(-9 // depth)
+
+
+def test_without_chunked_prefill_a_prompt_over_the_share_goes_whole_and_alone():
+    pool = BlockPool(32, True)
+    kv = KVCacheManager(pool, BS, "fake-model")
+    sched = Scheduler(kv, 8, 32, enable_chunked_prefill=False, pipeline_depth=2)
+    for rid, n, first in [("a", 10, 0), ("b", 24, 100), ("c", 24, 200)]:
+        sched.add_request(req(rid, n, first=first))
+    first = sched.schedule()  # a (10 of the 16-token share); b is not cut, nor added
+    assert _chunks(first) == [("a", 10)]
+    second = sched.schedule()  # a is in flight; b, alone in its step, goes whole
+    assert _chunks(second) == [("b", 24)]
+    _book(sched, first)
+    _book(sched, second)
+    third = sched.schedule()  # a and b decode (2 of 3 sequences); c waits for the cap
+    assert _chunks(third) == [("a", 1), ("b", 1)]
+    assert sched.requests["c"].status == S.WAITING
+    fourth = sched.schedule()  # c over the share, alone in its step: whole
+    assert _chunks(fourth) == [("c", 24)]
+    _book(sched, third)
+    _book(sched, fourth)
+    assert [sched.requests[r].num_computed_tokens for r in "abc"] == [11, 25, 24]
