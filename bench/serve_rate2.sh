@@ -4,16 +4,17 @@
 # starts `pdserve up --mode colocated` (SmolLM2 fp32, 2 threads on cores 0,1, prefix caching
 # off), warms it up, runs `pdserve bench serve` RUNS times at RATE (64 random prompts of
 # 256 -> 128 tokens, EOS ignored, temperature $TEMP), stops the stack, times the offline
-# decode step at batch $BATCH (the token-weighted batch the median token rides at rate 2,
-# README), and prints each run's ITL p50 / offline step, their median, and one JSON line.
-# The code that runs is whatever `python -m pdserve` resolves to: PYTHONPATH picks a checkout.
+# decode step at $BATCHES, and prints each run's ITL p50 over the offline step at the batch its
+# median token rode (bench/itl_peer.py), then one JSON line with their median.
+# The code that runs is whatever `python -m pdserve` resolves to: PYTHONPATH picks a checkout
+# (itl_peer.py, stdlib only, runs from beside this script, so an older checkout can be timed).
 set -euo pipefail
 RATE=${1:-2}
 RUNS=${2:-3}
 OUT=${3:-/tmp/pdserve-serve-rate$RATE}
 PY=${PY:-python}
 PORT=${PORT:-18461}
-BATCH=${BATCH:-64}
+BATCHES=${BATCHES:-4 8 16 24 32 48 64}
 TEMP=${TEMP:-1.0}
 rm -rf "$OUT"; mkdir -p "$OUT"
 export OMP_NUM_THREADS=2
@@ -35,24 +36,7 @@ done
 kill -TERM $UP; wait $UP || true
 trap - EXIT
 $PY -m pdserve.bench.offline_step --weights fp32 --num-threads 2 --no-prefix-caching \
-  --temperature "$TEMP" --batch "$BATCH" | tail -1 > "$OUT/offline_step.json"
-$PY - "$OUT" "$RUNS" "$BATCH" "$RATE" <<'EOF'
-import json, platform, statistics, sys
-out, runs, batch, rate = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-step_s = json.load(open(f"{out}/offline_step.json"))["decode_step_ms"][batch] / 1e3
-rows = [json.load(open(f"{out}/run{i}.json")) for i in range(1, runs + 1)]
-for i, r in enumerate(rows, 1):
-    print(f"run {i}: ITL p50 {r['itl_p50_s'] * 1e3:.1f} ms = "
-          f"{r['itl_p50_s'] / step_s:.2f}x offline step {step_s * 1e3:.1f} ms (batch {batch}); "
-          f"TTFT p50 {r['ttft_p50_s']:.2f} s, {r['output_throughput']:.1f} tok/s, "
-          f"{r['failed']} failed")
-itl = statistics.median(r["itl_p50_s"] for r in rows)
-print(json.dumps({"bench": "serve_rate2", "rate": float(rate), "runs": runs,
-                  "itl_p50_ms": [r["itl_p50_s"] * 1e3 for r in rows],
-                  "ttft_p50_s": [r["ttft_p50_s"] for r in rows],
-                  "output_tok_s": [r["output_throughput"] for r in rows],
-                  "failed": sum(r["failed"] for r in rows),
-                  "offline_step_ms": step_s * 1e3, "batch": int(batch),
-                  "itl_p50_over_offline_step": itl / step_s,
-                  "cpu": platform.processor() or platform.machine()}))
-EOF
+  --temperature "$TEMP" --batch $BATCHES | tail -1 > "$OUT/offline_step.json"
+RUN_DIRS=()
+for i in $(seq "$RUNS"); do RUN_DIRS+=("$OUT/run$i"); done
+$PY "$(dirname "$0")/itl_peer.py" "$OUT/offline_step.json" "${RUN_DIRS[@]}" | sed "s|$OUT/||"
