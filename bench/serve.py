@@ -60,9 +60,7 @@ async def _run(target: TargetConfig, requests: Sequence[BenchRequest], cfg: Serv
 
 def measure(target: TargetConfig, requests: Sequence[BenchRequest],
             cfg: ServeConfig) -> tuple[dict, tuple[RequestRecord, ...]]:
-    from pdserve.services.common.event_loop import run
-
-    out = run(_run(target, requests, cfg))  # uvloop: the client's CPU lands on the ITL
+    out = asyncio.run(_run(target, requests, cfg))
     return summarize_run(out.records, out.duration_s, cfg.slo_map), out.records
 
 

@@ -58,17 +58,15 @@ async def _serve_router(address: str) -> None:
 
 
 def _router_main(address: str, profile: str) -> None:
-    from pdserve.services.common.event_loop import run as run_loop
-
     if not profile:
-        run_loop(_serve_router(address))
+        asyncio.run(_serve_router(address))
         return
     import cProfile
 
     prof = cProfile.Profile()
     prof.enable()
     try:
-        run_loop(_serve_router(address))
+        asyncio.run(_serve_router(address))
     finally:
         prof.disable()
         prof.dump_stats(profile)

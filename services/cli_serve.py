@@ -7,6 +7,7 @@ namespace carries `func`, which runs the command and returns the exit code.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 from typing import Optional
@@ -253,10 +254,8 @@ def _setup_logging() -> None:
 def _run_engine(args) -> int:
     from pdserve.services.engine_host.engine_server import run_engine_server
 
-    from pdserve.services.common.event_loop import run
-
     _setup_logging()
-    run(run_engine_server(engine_service_config(args)))
+    asyncio.run(run_engine_server(engine_service_config(args)))
     return 0
 
 
@@ -304,10 +303,8 @@ def _run_router(args) -> int:
         return run_supervisor(cfg, args.argv)
     import torch  # the tokenizer loader imports it; keep it off the other services' cores
 
-    from pdserve.services.common.event_loop import run
-
     torch.set_num_threads(1)
-    run(run_router(cfg))
+    asyncio.run(run_router(cfg))
     return 0
 
 
