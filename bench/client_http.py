@@ -1,41 +1,47 @@
-"""Streaming client for OpenAI-compatible servers: /v1/completions and /v1/chat/completions."""
+"""Streaming client for OpenAI-compatible servers: /v1/completions and /v1/chat/completions.
+
+It speaks HTTP through bench/http_stream.py, not httpx: the client runs on the cores it
+measures, and httpx's CPU per streamed token showed up in the served ITL.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from typing import Optional
 
-import httpx
-
+from pdserve.bench.http_stream import Endpoint, HttpStreamError, request
 from pdserve.bench.record import StreamTrace
 from pdserve.bench.request import BenchRequest
-from pdserve.bench.sse import apply_chunk, sse_lines
+from pdserve.bench.sse import apply_chunk
 from pdserve.bench.target import TargetConfig
+
+# failures of one exchange: the connection, a timeout, the protocol, a bad JSON event
+FAILURES = (HttpStreamError, OSError, asyncio.TimeoutError, ValueError)
 
 
 class HttpClient:
     def __init__(self, target: TargetConfig):
         self._t = target
         self._model = target.model_name
-        self._http: Optional[httpx.AsyncClient] = None
+        # One connection per request, no cap: the arrival process decides what is in flight.
+        self._ep = Endpoint.parse(target.base_url)
 
     async def start(self) -> None:
-        # No connection cap: the arrival process, not the pool, decides what is in flight.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self._http = httpx.AsyncClient(base_url=self._t.base_url, limits=limits,
-                                       timeout=httpx.Timeout(self._t.timeout_s, connect=30.0))
         if not self._model:
-            resp = await self._http.get("/v1/models")
-            resp.raise_for_status()
-            self._model = resp.json()["data"][0]["id"]
+            resp = await request(self._ep, "GET", "/v1/models", timeout_s=60.0)
+            if resp.status != 200:
+                raise RuntimeError(f"GET /v1/models: HTTP {resp.status}: "
+                                   f"{resp.body[:300].decode(errors='replace')}")
+            self._model = json.loads(resp.body)["data"][0]["id"]
 
     @property
     def model(self) -> str:
         return self._model
 
     async def close(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
+        pass  # connections close with their responses
 
     def _body(self, req: BenchRequest, messages: Optional[list[dict]]) -> tuple[str, dict]:
         body = {"model": self._model, "max_tokens": req.max_tokens, "stream": True,
@@ -50,16 +56,12 @@ class HttpClient:
                    trace: StreamTrace) -> None:
         path, body = self._body(req, messages)
         try:
-            async with self._http.stream("POST", path, json=body) as resp:
-                if resp.status_code != 200:
-                    text = (await resp.aread()).decode(errors="replace")
-                    trace.error = f"HTTP {resp.status_code}: {text[:300]}"
-                    return
-                async for line in sse_lines(resp.aiter_bytes()):
-                    if line.startswith("data:") and not apply_chunk(
-                            trace, line[5:].strip(), time.perf_counter()):
-                        break
-        except (httpx.HTTPError, ValueError) as exc:
+            resp = await request(self._ep, "POST", path, body,
+                                 sink=lambda data, t: apply_chunk(trace, data, t),
+                                 timeout_s=self._t.timeout_s)
+            if resp.status != 200:
+                trace.error = f"HTTP {resp.status}: {resp.body.decode(errors='replace')[:300]}"
+        except FAILURES as exc:
             trace.error = f"{type(exc).__name__}: {exc}"
         finally:
             trace.done_t = time.perf_counter()

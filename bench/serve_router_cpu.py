@@ -11,6 +11,9 @@ cProfile and writes its stats there at the end (read with `python -m pstats FILE
     python -m pdserve.bench.serve_router_cpu [--streams 64] [--tokens 128] [--rounds 3]
 
 Prints each round, then one JSON line (cpu_ms_per_token: the median over rounds).
+client_cpu_ms_per_token is the client's own CPU per token (this process): httpx by default,
+`pdserve bench serve`'s streaming client with `--bench-client` (what a served benchmark's
+client spends beside the forward).
 
 `--workers N` runs the router as `pdserve serve router --workers N` instead (N router
 processes on one port, services/router/workers.py; N = 1: the plain CLI router): the CPU is
@@ -28,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import AsyncExitStack
 
 CHILD = [sys.executable, "-m", "pdserve.bench.serve_router_cpu"]
 
@@ -119,28 +123,64 @@ async def _stream(http, chat: bool, tokens: int, i: int, model: str) -> int:
     return events
 
 
-async def _rounds(port: int, pid: int, args) -> list[dict]:
+async def _bench_stream(client, chat: bool, tokens: int, i: int) -> int:
+    """One streamed request through `pdserve bench serve`'s client; the token arrivals it
+    counted (every token: its finish chunk carries the last token's text)."""
+    from pdserve.bench.record import StreamTrace
+    from pdserve.bench.request import BenchRequest
+
+    if chat:
+        req, messages = BenchRequest("r", tokens, messages=(("user", "hi"),)), [
+            {"role": "user", "content": "hi"}]
+    else:
+        req, messages = BenchRequest("r", tokens, prompt_ids=(100 + i, 200, 300, 400)), None
+    trace = StreamTrace(sent_t=time.perf_counter())
+    await client.send(req, messages, trace)
+    if trace.error:
+        raise RuntimeError(trace.error)
+    return len(trace.arrivals)
+
+
+async def _streamer(port: int, model: str, bench_client: bool, stack: AsyncExitStack):
+    """stream(chat, tokens, i) -> events, through httpx or the bench's client."""
+    base = f"http://127.0.0.1:{port}"
+    if bench_client:
+        from pdserve.bench.client_http import HttpClient
+        from pdserve.bench.target import TargetConfig
+
+        client = HttpClient(TargetConfig(base_url=base, model_name=model, timeout_s=120))
+        await client.start()
+        return lambda chat, tokens, i: _bench_stream(client, chat, tokens, i)
     import httpx
 
-    out = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits,
-                                 timeout=120) as http:
+    http = await stack.enter_async_context(
+        httpx.AsyncClient(base_url=base, limits=limits, timeout=120))
+    return lambda chat, tokens, i: _stream(http, chat, tokens, i, model)
+
+
+async def _rounds(port: int, pid: int, args) -> list[dict]:
+    out = []
+    async with AsyncExitStack() as stack:
         model = "tiny" if args.workers else "fake"  # the CLI router serves --model tiny
-        await _stream(http, args.chat, 4, 0, model)  # warm-up: connections, first-call imports
+        stream = await _streamer(port, model, args.bench_client, stack)
+        await stream(args.chat, 4, 0)  # warm-up: connections, first-call imports
         for r in range(args.rounds):
-            cpu, t = _cpu_s(pid), time.perf_counter()
-            events = await asyncio.gather(*(_stream(http, args.chat, args.tokens, i, model)
+            cpu, own, t = _cpu_s(pid), time.process_time(), time.perf_counter()
+            events = await asyncio.gather(*(stream(args.chat, args.tokens, i)
                                             for i in range(args.streams)))
-            cpu, wall = _cpu_s(pid) - cpu, time.perf_counter() - t
+            wall, own = time.perf_counter() - t, time.process_time() - own
+            cpu = _cpu_s(pid) - cpu
             tokens = args.streams * args.tokens
             out.append({"round": r, "tokens": tokens, "events": sum(events),
                         "router_cpu_s": cpu, "wall_s": wall,
-                        "cpu_ms_per_token": cpu * 1e3 / tokens})
+                        "cpu_ms_per_token": cpu * 1e3 / tokens,
+                        "client_cpu_ms_per_token": own * 1e3 / tokens})
             out[-1]["tokens_per_s"] = tokens / wall
             print(f"round {r}: {tokens} tokens ({sum(events)} text events) in {wall:.2f} s "
                   f"({tokens / wall:.0f} tokens/s), router CPU {cpu:.2f} s = "
-                  f"{cpu * 1e3 / tokens:.3f} ms/token", flush=True)
+                  f"{cpu * 1e3 / tokens:.3f} ms/token, client CPU "
+                  f"{own * 1e3 / tokens:.3f} ms/token", flush=True)
     return out
 
 
@@ -176,7 +216,10 @@ def run(args) -> int:
             "streams": args.streams, "tokens": args.tokens, "workers": args.workers,
             "rounds": rounds,
             "cpu_ms_per_token": statistics.median(r["cpu_ms_per_token"] for r in rounds),
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rounds)}
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rounds),
+            "client": "bench" if args.bench_client else "httpx",
+            "client_cpu_ms_per_token": statistics.median(r["client_cpu_ms_per_token"]
+                                                         for r in rounds)}
     print(json.dumps(line))
     return 0
 
@@ -187,6 +230,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=128, help="tokens per request")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--chat", action="store_true", help="/v1/chat/completions")
+    p.add_argument("--bench-client", action="store_true",
+                   help="stream through `pdserve bench serve`'s client (bench/http_stream.py) "
+                        "instead of httpx; client_cpu_ms_per_token is this process's CPU")
     p.add_argument("--profile", default="", help="cProfile the router into this file")
     p.add_argument("--workers", type=int, default=0,
                    help="0: the router in its own process as before; N >= 1: `pdserve serve "

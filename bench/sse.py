@@ -39,16 +39,3 @@ def apply_chunk(trace: StreamTrace, data: str, t: float) -> bool:
             trace.add(t, 1, text)
     return True
 
-
-async def sse_lines(byte_chunks):
-    """The lines of an event stream, split at \n (a trailing \r dropped: \r\n), as servers
-    send them; a text line splitter such as httpx's `aiter_lines` (str.splitlines) also splits
-    at U+2028, U+0085 and \x1c-\x1e, which a generated token may hold raw inside a JSON
-    string, and cut that chunk in two. (A lone \r as the terminator is not read.)"""
-    buf = b""
-    async for chunk in byte_chunks:
-        *lines, buf = (buf + chunk).split(b"\n")
-        for line in lines:
-            yield line.removesuffix(b"\r").decode("utf-8", errors="replace")
-    if buf:
-        yield buf.removesuffix(b"\r").decode("utf-8", errors="replace")

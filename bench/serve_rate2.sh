@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Issue 19's ITL target in one run: ITL p50 served at a rate vs the offline decode step.
+#   bash bench/serve_rate2.sh [RATE] [RUNS] [OUT_DIR]
+# starts `pdserve up --mode colocated` (SmolLM2 fp32, 2 threads on cores 0,1, prefix caching
+# off), warms it up, runs `pdserve bench serve` RUNS times at RATE (64 random prompts of
+# 256 -> 128 tokens, EOS ignored, temperature $TEMP), stops the stack, times the offline
+# decode step at $BATCHES, and prints each run's ITL p50 over the offline step at the batch its
+# median token rode (bench/itl_peer.py), then one JSON line with their median.
+# The code that runs is whatever `python -m pdserve` resolves to: PYTHONPATH picks a checkout
+# (itl_peer.py, stdlib only, runs from beside this script, so an older checkout can be timed).
+set -euo pipefail
+RATE=${1:-2}
+RUNS=${2:-3}
+OUT=${3:-/tmp/pdserve-serve-rate$RATE}
+PY=${PY:-python}
+PORT=${PORT:-18461}
+BATCHES=${BATCHES:-4 8 16 24 32 48 64}
+TEMP=${TEMP:-1.0}
+rm -rf "$OUT"; mkdir -p "$OUT"
+export OMP_NUM_THREADS=2
+$PY -m pdserve.cli up --mode colocated --num-threads 2 --cpus 0,1 --model smollm2 \
+  --weights fp32 --no-prefix-caching --insecure --port "$PORT" --grpc-port $((PORT + 1)) \
+  --discovery static --log-dir "$OUT/logs" ${UP_ARGS:-} > "$OUT/up.log" 2>&1 &
+UP=$!
+trap 'kill -TERM $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
+for _ in $(seq 600); do grep -q "^ready" "$OUT/up.log" && break; sleep 0.5; done
+grep -q "^ready" "$OUT/up.log" || { cat "$OUT/up.log"; exit 1; }
+W=(--workload random --num-prompts 64 --input-len 256 --output-len 128 --no-progress
+   --temperature "$TEMP" --base-url "http://127.0.0.1:$PORT")
+$PY -m pdserve.cli bench serve "${W[@]}" --seed 99 --num-prompts 4 --rate inf \
+  --out-dir "$OUT/warm" > /dev/null
+for i in $(seq "$RUNS"); do
+  $PY -m pdserve.cli bench serve "${W[@]}" --seed "$i" --rate "$RATE" \
+    --out-dir "$OUT/run$i" | tail -1 > "$OUT/run$i.json"
+done
+kill -TERM $UP; wait $UP || true
+trap - EXIT
+$PY -m pdserve.bench.offline_step --weights fp32 --num-threads 2 --no-prefix-caching \
+  --temperature "$TEMP" --batch $BATCHES | tail -1 > "$OUT/offline_step.json"
+RUN_DIRS=()
+for i in $(seq "$RUNS"); do RUN_DIRS+=("$OUT/run$i"); done
+$PY "$(dirname "$0")/itl_peer.py" "$OUT/offline_step.json" "${RUN_DIRS[@]}" | sed "s|$OUT/||"

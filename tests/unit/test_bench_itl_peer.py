@@ -1,0 +1,54 @@
+"""bench/itl_peer.py: the batch a served run's median token rode, and the offline step there."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.bench.itl_peer import run_row, step_at, token_weighted_batch
+
+
+def req(start, ttft, gaps, ok=True):
+    return {"ok": ok, "start_s": start, "ttft_s": ttft, "itl_s": list(gaps),
+            "e2e_s": ttft + sum(gaps)}
+
+
+def test_token_weighted_batch_counts_requests_decoding_at_each_token():
+    # a: first token at 1, tokens at 2..5; b: first token at 2.5, tokens at 3.5, 4.5
+    a, b = req(0.0, 1.0, [1.0] * 4), req(2.0, 0.5, [1.0, 1.0])
+    # a's tokens at 2, 3, 4, 5 see 1, 2, 2, 1 decoding (b ends at 4.5); b's see 2, 2
+    assert token_weighted_batch([a, b]) == 2.0
+    assert token_weighted_batch([a]) == 1.0
+    failed = dict(req(0.0, 0.1, [0.1] * 9), ok=False)
+    assert token_weighted_batch([a, failed]) == 1.0
+    assert token_weighted_batch([]) == 0.0
+
+
+def test_step_is_interpolated_between_timed_batches_and_clamped():
+    steps = {8: 40.0, 16: 60.0, 64: 120.0}
+    assert step_at(steps, 12) == pytest.approx(50.0)
+    assert step_at(steps, 40) == pytest.approx(90.0)
+    assert step_at(steps, 2) == 40.0 and step_at(steps, 100) == 120.0
+    with pytest.raises(ValueError):
+        step_at({}, 8)
+
+
+def test_cli_prints_each_run_and_the_median_ratio(tmp_path):
+    (tmp_path / "off.json").write_text(json.dumps({"decode_step_ms": {"1": 50.0, "4": 80.0}}))
+    for i, itl in enumerate((0.055, 0.06, 0.1)):
+        run = tmp_path / f"run{i}"
+        run.mkdir()
+        (run / "serve.json").write_text(json.dumps({
+            "per_request": [req(0.0, 1.0, [1.0] * 3)], "itl_s": {"p50": itl},
+            "ttft_s": {"p50": 1.0}, "output_throughput": 10.0, "failed": 0}))
+    out = subprocess.run([sys.executable, "-m", "pdserve.bench.itl_peer",
+                          str(tmp_path / "off.json")] + [str(tmp_path / f"run{i}")
+                                                         for i in range(3)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["batch"] for r in line["runs"]] == [1.0] * 3
+    assert line["ratio_median"] == pytest.approx(1.2)  # 60 ms over 50 ms at batch 1
+    assert run_row(json.loads((tmp_path / "run2" / "serve.json").read_text()),
+                   {1: 50.0})["ratio"] == pytest.approx(2.0)
