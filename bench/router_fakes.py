@@ -32,6 +32,7 @@ class _State:
     fail_after: int | None = None
     delay_s: float = 0.0  # before the first token
     model: str = "fake"  # the model name Health reports (a router checks it)
+    max_model_len: int = 4096  # what Health reports
 
 
 class _Servicer(pb_grpc.DecodeServiceServicer, pb_grpc.PrefillServiceServicer):
@@ -40,7 +41,7 @@ class _Servicer(pb_grpc.DecodeServiceServicer, pb_grpc.PrefillServiceServicer):
 
     async def Health(self, request, context):
         return pb.HealthResponse(status=pb.HealthResponse.SERVING, model=self.s.model,
-                                 role=self.s.role, max_model_len=4096, vocab_size=50000,
+                                 role=self.s.role, max_model_len=self.s.max_model_len, vocab_size=50000,
                                  model_fingerprint=FINGERPRINT, block_size=BLOCK_SIZE)
 
     async def GetLoad(self, request, context):
@@ -84,10 +85,12 @@ class FakeInstance:
 
     @classmethod
     async def start(cls, role: str = "unified", tokens: int = 1,
-                    delay_s: float = 0.0, model: str = "fake") -> "FakeInstance":
-        """`delay_s`: how long Decode waits before its first token; `model`: the name its
-        Health reports."""
-        state = _State(role, tokens, delay_s=delay_s, model=model)
+                    delay_s: float = 0.0, model: str = "fake",
+                    max_model_len: int = 4096) -> "FakeInstance":
+        """`delay_s`: how long Decode waits before its first token; `model` and
+        `max_model_len`: what its Health reports."""
+        state = _State(role, tokens, delay_s=delay_s, model=model,
+                       max_model_len=max_model_len)
         server = grpc.aio.server()
         servicer = _Servicer(state)
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
