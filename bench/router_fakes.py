@@ -33,6 +33,7 @@ class _State:
     delay_s: float = 0.0  # before the first token
     model: str = "fake"  # the model name Health reports (a router checks it)
     max_model_len: int = 4096  # what Health reports
+    request_ids: list = field(default_factory=list)  # of every Decode/Prefill, in order
 
 
 class _Servicer(pb_grpc.DecodeServiceServicer, pb_grpc.PrefillServiceServicer):
@@ -49,6 +50,7 @@ class _Servicer(pb_grpc.DecodeServiceServicer, pb_grpc.PrefillServiceServicer):
 
     async def Decode(self, request, context):
         self.s.calls += 1
+        self.s.request_ids.append(request.request_id)
         yield pb.DecodeResponse()  # accepted
         last = request.prompt_token_ids[-1] if request.prompt_token_ids else 0
         n = len(request.prompt_token_ids)
@@ -65,6 +67,7 @@ class _Servicer(pb_grpc.DecodeServiceServicer, pb_grpc.PrefillServiceServicer):
 
     async def Prefill(self, request, context):
         self.s.calls += 1
+        self.s.request_ids.append(request.request_id)
         last = request.prompt_token_ids[-1] if request.prompt_token_ids else 0
         return pb.PrefillResponse(first_token_id=last + 1, text="x",
                                   num_prompt_tokens=len(request.prompt_token_ids))
@@ -78,6 +81,11 @@ class FakeInstance:
     @property
     def calls(self) -> int:
         return self._state.calls
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        """The request_id of every call it served, in order."""
+        return tuple(self._state.request_ids)
 
     def fail_after(self, tokens: int | None) -> None:
         """Decode streams fail after this many tokens from now on (None: never)."""
