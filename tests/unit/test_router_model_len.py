@@ -6,6 +6,7 @@ instance, or anything that passed as one, reporting max_model_len=1 refused ever
 import asyncio
 
 import httpx
+import pytest
 
 from pdserve.bench.router_fakes import FakeInstance
 from pdserve.services.router.config import RouterConfig
@@ -50,3 +51,21 @@ def test_a_tiny_instance_neither_refuses_prompts_nor_gets_them():
         assert err["code"] == "context_length_exceeded" and "64 tokens" in err["message"]
     assert tiny_calls == 0 and big_calls == len(served)
     assert models["data"][0]["max_model_len"] == 64
+
+
+def test_with_no_instance_up_a_prompt_gets_503_not_a_length_error():
+    from pdserve.common.telemetry.metrics import RouterMetrics
+    from pdserve.services.router.api.errors import APIError
+    from pdserve.services.router.routing.backends import BackendPool
+    from pdserve.services.router.routing.candidate import RouteRequest
+
+    async def main():
+        pool = BackendPool(("127.0.0.1:1",), RouterMetrics(), 1.0, 1.0, 1)
+        try:
+            with pytest.raises(APIError) as info:
+                pool.choose(RouteRequest(prompt_len=10))
+            return info.value
+        finally:
+            await pool.close()
+    err = asyncio.run(main())
+    assert err.status == 503 and err.code == "no_backend"

@@ -124,7 +124,8 @@ class BackendPool:
         """The policy's pick; remembers that `keys` went there. 503 when none is left."""
         cands = self.candidates(keys, exclude, req.prompt_len)
         if not cands:
-            if not any(b.up and _fits(b, req.prompt_len) for b in self.backends):
+            up = self.healthy
+            if up and not any(_fits(b, req.prompt_len) for b in up):
                 raise context_too_long(req.prompt_len, self.max_model_len)  # the client's
             raise unavailable(f"no {self.kind} instance is reachable; try again shortly")
         chosen = self.policy.choose(cands, req)
