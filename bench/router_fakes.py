@@ -32,6 +32,8 @@ class _State:
     fail_after: int | None = None
     delay_s: float = 0.0  # before the first token
     model: str = "fake"  # the model name Health reports (a router checks it)
+    max_model_len: int = 4096  # what Health reports
+    request_ids: list = field(default_factory=list)  # of every Decode/Prefill, in order
 
 
 class _Servicer(pb_grpc.DecodeServiceServicer, pb_grpc.PrefillServiceServicer):
@@ -40,7 +42,7 @@ class _Servicer(pb_grpc.DecodeServiceServicer, pb_grpc.PrefillServiceServicer):
 
     async def Health(self, request, context):
         return pb.HealthResponse(status=pb.HealthResponse.SERVING, model=self.s.model,
-                                 role=self.s.role, max_model_len=4096, vocab_size=50000,
+                                 role=self.s.role, max_model_len=self.s.max_model_len, vocab_size=50000,
                                  model_fingerprint=FINGERPRINT, block_size=BLOCK_SIZE)
 
     async def GetLoad(self, request, context):
@@ -48,6 +50,7 @@ class _Servicer(pb_grpc.DecodeServiceServicer, pb_grpc.PrefillServiceServicer):
 
     async def Decode(self, request, context):
         self.s.calls += 1
+        self.s.request_ids.append(request.request_id)
         yield pb.DecodeResponse()  # accepted
         last = request.prompt_token_ids[-1] if request.prompt_token_ids else 0
         n = len(request.prompt_token_ids)
@@ -64,6 +67,7 @@ class _Servicer(pb_grpc.DecodeServiceServicer, pb_grpc.PrefillServiceServicer):
 
     async def Prefill(self, request, context):
         self.s.calls += 1
+        self.s.request_ids.append(request.request_id)
         last = request.prompt_token_ids[-1] if request.prompt_token_ids else 0
         return pb.PrefillResponse(first_token_id=last + 1, text="x",
                                   num_prompt_tokens=len(request.prompt_token_ids))
@@ -78,16 +82,23 @@ class FakeInstance:
     def calls(self) -> int:
         return self._state.calls
 
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        """The request_id of every call it served, in order."""
+        return tuple(self._state.request_ids)
+
     def fail_after(self, tokens: int | None) -> None:
         """Decode streams fail after this many tokens from now on (None: never)."""
         self._state.fail_after = tokens
 
     @classmethod
     async def start(cls, role: str = "unified", tokens: int = 1,
-                    delay_s: float = 0.0, model: str = "fake") -> "FakeInstance":
-        """`delay_s`: how long Decode waits before its first token; `model`: the name its
-        Health reports."""
-        state = _State(role, tokens, delay_s=delay_s, model=model)
+                    delay_s: float = 0.0, model: str = "fake",
+                    max_model_len: int = 4096) -> "FakeInstance":
+        """`delay_s`: how long Decode waits before its first token; `model` and
+        `max_model_len`: what its Health reports."""
+        state = _State(role, tokens, delay_s=delay_s, model=model,
+                       max_model_len=max_model_len)
         server = grpc.aio.server()
         servicer = _Servicer(state)
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)

@@ -118,7 +118,8 @@ async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
                                    limit_concurrency=2 * lim.http_max_concurrency + 64,
                                    timeout_keep_alive=lim.http_keep_alive_s,
                                    h11_max_incomplete_event_size=lim.http_max_header_bytes,
-                                   http=head_timeout_protocol(lim.http_header_timeout_s)))
+                                   http=head_timeout_protocol(lim.http_header_timeout_s,
+                                                             lim.http_max_header_bytes)))
     # a worker binds its own SO_REUSEPORT socket; uvicorn listens on it
     sockets = [reuseport_socket(cfg.host, cfg.port)] if worker else None
     task = asyncio.create_task(http.serve(sockets=sockets), name="uvicorn")

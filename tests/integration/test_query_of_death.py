@@ -214,12 +214,12 @@ fuzz_params = st.builds(
     stop=st.lists(st.text(max_size=5), max_size=3), stop_token_ids=st.lists(U32, max_size=3),
     ignore_eos=st.booleans(), logprobs=st.one_of(st.integers(0, 25), st.just(2 ** 32 - 1)),
     min_tokens=st.one_of(st.integers(0, 3), st.just(2 ** 32 - 1)))
-fuzz_decode = st.builds(
-    pb.DecodeRequest, request_id=st.text(max_size=8),
-    prompt_token_ids=st.lists(U32, max_size=8), params=fuzz_params,
-    first_token_id=st.one_of(st.none(), U32),
-    block_keys=st.lists(st.binary(max_size=40), max_size=3),
+FUZZ_FIELDS = dict(  # what DecodeRequest and PrefillRequest share
+    request_id=st.text(max_size=8), prompt_token_ids=st.lists(U32, max_size=8),
+    params=fuzz_params, block_keys=st.lists(st.binary(max_size=40), max_size=3),
     cache_salt=st.one_of(st.none(), st.text(max_size=8)))
+fuzz_decode = st.builds(pb.DecodeRequest, first_token_id=st.one_of(st.none(), U32),
+                        **FUZZ_FIELDS)
 
 
 valid_decode = st.builds(
@@ -234,18 +234,19 @@ valid_decode = st.builds(
     block_keys=st.lists(st.binary(max_size=40), max_size=2))
 
 
-def test_fuzzed_decode_requests_are_served_or_refused(engine):
-    """hypothesis (derandomized) over DecodeRequest: each call ends OK or INVALID_ARGUMENT,
-    never INTERNAL / UNKNOWN / UNAVAILABLE, and the engine ends intact."""
+def _fuzz_engine(engine, requests, send, max_examples: int) -> dict:
+    """Each drawn request sent with `send(channel, request)`: it ends OK or INVALID_ARGUMENT
+    (never INTERNAL / UNKNOWN / UNAVAILABLE); then the engine is intact: no step failed since
+    before, every block back in the pool, nothing running. The status counts."""
     codes = {}
 
     async def call(req):
         async with grpc.aio.insecure_channel(engine) as ch:
-            return await _code(_decode_all(pb_grpc.DecodeServiceStub(ch), req))
+            return await _code(send(ch, req))
 
-    @settings(max_examples=120, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
-    @given(st.one_of(fuzz_decode, valid_decode))
+    @given(requests)
     def one(req):
         code = asyncio.run(call(req))
         codes[code] = codes.get(code, 0) + 1
@@ -253,7 +254,36 @@ def test_fuzzed_decode_requests_are_served_or_refused(engine):
 
     before = serve(engine, lambda ch: pb_grpc.DecodeServiceStub(ch).GetLoad(pb.LoadRequest()))
     one()
-    assert codes.get(grpc.StatusCode.OK, 0) >= 5, codes
     load = serve(engine, _settled)
     assert load.num_step_failures == before.num_step_failures
     assert load.num_free_blocks == load.num_total_blocks and load.num_running == 0
+    return codes
+
+
+def test_fuzzed_decode_requests_are_served_or_refused(engine):
+    """hypothesis (derandomized) over DecodeRequest: each call ends OK or INVALID_ARGUMENT,
+    never INTERNAL / UNKNOWN / UNAVAILABLE, and the engine ends intact."""
+    codes = _fuzz_engine(engine, st.one_of(fuzz_decode, valid_decode),
+                         lambda ch, req: _decode_all(pb_grpc.DecodeServiceStub(ch), req), 120)
+    assert codes.get(grpc.StatusCode.OK, 0) >= 5, codes
+
+
+fuzz_prefill = st.builds(pb.PrefillRequest, **FUZZ_FIELDS)
+valid_prefill = st.builds(  # prompts in the vocabulary, small valid sampling, 32-byte keys
+    pb.PrefillRequest, prompt_token_ids=st.lists(st.integers(0, VOCAB - 1), min_size=1,
+                                                 max_size=8),
+    params=st.builds(pb.SamplingParams, max_tokens=st.integers(2, 6),
+                     temperature=st.floats(0, 2), top_k=st.integers(0, 50)),
+    block_keys=st.lists(st.binary(min_size=32, max_size=32), max_size=2))
+
+
+def test_fuzzed_prefill_requests_are_served_or_refused(engine):
+    """hypothesis (derandomized) over PrefillRequest, as the decode fuzz; the engine still
+    says SERVING."""
+    codes = _fuzz_engine(engine, st.one_of(fuzz_prefill, valid_prefill),
+                         lambda ch, req: pb_grpc.PrefillServiceStub(ch).Prefill(req, timeout=30),
+                         60)
+    assert codes.get(grpc.StatusCode.OK, 0) >= 5 and \
+        codes.get(grpc.StatusCode.INVALID_ARGUMENT, 0) >= 5, codes
+    health = serve(engine, lambda ch: pb_grpc.DecodeServiceStub(ch).Health(pb.HealthRequest()))
+    assert health.status == pb.HealthResponse.SERVING

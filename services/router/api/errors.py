@@ -34,6 +34,14 @@ def bad_request(message: str, param: Optional[str] = None, code: Optional[str] =
     return APIError(status, message, param=param, code=code)
 
 
+def context_too_long(prompt_len: int, max_model_len: Optional[int],
+                     param: Optional[str] = None) -> APIError:
+    return bad_request(
+        f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+        f"{prompt_len} tokens, leaving no room to generate", param=param,
+        code="context_length_exceeded")
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model '{model}' does not exist", param="model",
                     code="model_not_found", grpc_code=grpc.StatusCode.NOT_FOUND)

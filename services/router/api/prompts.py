@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pdserve.services.router.api.errors import bad_request
+from pdserve.services.router.api.errors import bad_request, context_too_long
 from pdserve.services.router.api.openai_protocol import MESSAGE_UNSUPPORTED
 
 MAX_PROMPTS = 64  # a completions batch; prompts x n is bounded by max_n as well
@@ -81,7 +81,4 @@ def check_length(prompts: list[list[int]], max_model_len: Optional[int], param: 
         return  # not known yet: the instance checks it
     for ids in prompts:
         if len(ids) >= max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {max_model_len} tokens; the prompt "
-                f"has {len(ids)} tokens, leaving no room to generate", param=param,
-                code="context_length_exceeded")
+            raise context_too_long(len(ids), max_model_len, param)

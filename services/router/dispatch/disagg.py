@@ -84,7 +84,7 @@ class DisaggRouter:
                                  keys or (), uncached)
 
     def _decide(self, n_prompt: int, keys, stored: int, block_size: int) -> str:
-        prefill_up = self.prefill.candidates()
+        prefill_up = self.prefill.candidates(prompt_len=n_prompt)  # none fits: decode alone
         if not prefill_up:
             return "no_prefill"
         if keys is not None:

@@ -7,8 +7,8 @@ first round of health checks and then a background task that repeats them every
 Membership also changes at run time: `sync(source, addresses)` (the registry watcher, the
 DNS resolver) adds instances (checked at once, used as soon as healthy) and retires those a
 source no longer lists (their channels close a minute later, after calls in flight).
-`choose()` asks the pool's policy among instances that are up and whose breaker allows; the
-decision (`Routed`: the instance and the prompt tokens it has not cached) opens the call.
+`choose()` asks the pool's policy among instances that are up, whose breaker allows and whose
+max_model_len leaves room for the prompt; the decision (`Routed`: the instance and the prompt tokens it has not cached) opens the call.
 A pool holds one kind of instance: decode (or unified) instances answer health checks on
 DecodeService, prefill instances on PrefillService.
 Before an instance is used, its Health must name the model the router serves
@@ -33,13 +33,18 @@ from pdserve.services.common.tls import TlsConfig
 from pdserve.services.router.routing.backend import Backend, Lease, Routed
 from pdserve.services.router.routing.breaker import CircuitBreaker
 from pdserve.services.router.routing.candidate import Candidate, RouteRequest
-from pdserve.services.router.api.errors import unavailable
+from pdserve.services.router.api.errors import context_too_long, unavailable
 from pdserve.services.router.dispatch.fallback_config import FallbackConfig
 from pdserve.services.router.routing.policies import RoundRobin
 from pdserve.services.router.routing.prefix_memory import PrefixMemory
 
 log = logging.getLogger(__name__)
 _RETIRE_S = 60.0
+
+
+def _fits(b: Backend, prompt_len: int) -> bool:
+    """Room for the prompt and one generated token (an unknown limit: the instance checks)."""
+    return not b.max_model_len or prompt_len < b.max_model_len
 
 
 class _Mismatch(RuntimeError):
@@ -88,8 +93,12 @@ class BackendPool:
 
     @property
     def max_model_len(self) -> Optional[int]:
+        """The longest context any healthy instance takes (None: none has said). A prompt
+        is refused only when no instance can take it; `choose()` then skips the instances
+        too small for it. (The minimum let one instance, or anything that passed as one,
+        reporting max_model_len=1 refuse every prompt for the whole fleet.)"""
         lens = [b.max_model_len for b in self.healthy if b.max_model_len]
-        return min(lens) if lens else None
+        return max(lens) if lens else None
 
     def kv_geometry(self) -> Optional[tuple[str, int]]:
         """(model fingerprint, block size) the healthy instances agree on; None when unknown
@@ -100,19 +109,24 @@ class BackendPool:
         fingerprint, block_size = seen.pop()
         return (fingerprint, block_size) if fingerprint and block_size else None
 
-    def candidates(self, keys: Sequence[bytes] = (),
-                   exclude: tuple[Backend, ...] = ()) -> list[Candidate]:
+    def candidates(self, keys: Sequence[bytes] = (), exclude: tuple[Backend, ...] = (),
+                   prompt_len: int = 0) -> list[Candidate]:
+        """Instances that may take a prompt of `prompt_len` tokens now (0: any length)."""
         remembered = self.memory.leading(keys) if keys else {}
         return [Candidate(b, b.address, b.active, b.queue_tokens, b.reported.kv_usage,
                           max(remembered.get(b.address, 0), b.summary_prefix(keys)))
                 for b in self.backends
-                if b.up and b not in exclude and b.breaker.allows()]
+                if b.up and b not in exclude and b.breaker.allows()
+                and _fits(b, prompt_len)]
 
     def choose(self, req: RouteRequest = RouteRequest(), keys: Sequence[bytes] = (),
                exclude: tuple[Backend, ...] = ()) -> Routed:
         """The policy's pick; remembers that `keys` went there. 503 when none is left."""
-        cands = self.candidates(keys, exclude)
+        cands = self.candidates(keys, exclude, req.prompt_len)
         if not cands:
+            up = self.healthy
+            if up and not any(_fits(b, req.prompt_len) for b in up):
+                raise context_too_long(req.prompt_len, self.max_model_len)  # the client's
             raise unavailable(f"no {self.kind} instance is reachable; try again shortly")
         chosen = self.policy.choose(cands, req)
         backend = chosen.ref
