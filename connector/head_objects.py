@@ -18,9 +18,10 @@ block. A reader that misses any of a block's head objects (evicted, or a rank's 
 treats the block as missing: the load stops there and the engine recomputes from it.
 
 `RankHeads` is one rank's side: its caches and its run of heads, encoding and installing only
-those heads' objects. Not wired in yet: the connector still stores whole blocks, copied by
-rank 0 through shared memory; the rest of the design (a store client per rank, the transfers
-in SchedulerOutput, completion reports) is in docs/parallelism.md.
+those heads' objects (rank_transfers.py moves them through a store). Not wired in yet: the
+connector still stores whole blocks, copied by rank 0 through shared memory; what is left
+(a store client per worker, the transfers in SchedulerOutput, reports to rank 0) is listed
+in docs/parallelism.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ thread, built from the same settings (the block secret read from the file, as ea
 process would), and puts / gets only its own heads' objects; a block one layout wrote is a
 store hit for another layout, read back exactly."""
 
-import asyncio
 import time
 
 import pytest
