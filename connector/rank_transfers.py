@@ -26,7 +26,7 @@ import concurrent.futures
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 from pdserve.connector.codec import BlockCodecError
 from pdserve.connector.head_objects import RankHeads
@@ -98,10 +98,16 @@ class RankTransfers:
     """One rank's side: `start` a transfer, `poll` the reports of those that finished."""
 
     def __init__(self, heads: RankHeads, store: BlockStore, io: IOThread, rank: int,
-                 lease_s: float, load_timeout_s: float, max_inflight: int = 8):
+                 lease_s: float, load_timeout_s: float, max_inflight: int = 8,
+                 on_report: Optional[Callable[[TransferReport], None]] = None):
+        """`on_report`: called with each report on the I/O thread as its transfer ends,
+        instead of queueing it for `poll`. A worker sends its reports that way: its step
+        loop blocks between steps, and rank 0 may be waiting for exactly that report (a
+        producer's last output waits for its save) with no step to send."""
         self.heads, self.store, self.io, self.rank = heads, store, io, rank
         self.lease_s, self.load_timeout_s, self.max_inflight = (lease_s, load_timeout_s,
                                                                  max_inflight)
+        self.on_report = on_report
         self._lock = threading.Lock()
         self._done: list[TransferReport] = []
         self._pending: set[concurrent.futures.Future] = set()
@@ -131,8 +137,12 @@ class RankTransfers:
         return done
 
     def _report(self, t: Transfer, blocks: int) -> None:
+        report = TransferReport(t.request_id, t.kind, self.rank, blocks)
+        if self.on_report is not None:
+            self.on_report(report)
+            return
         with self._lock:
-            self._done.append(TransferReport(t.request_id, t.kind, self.rank, blocks))
+            self._done.append(report)
 
     async def _save(self, t: Transfer, objs) -> None:
         stored = 0

@@ -2,6 +2,7 @@
 only its own heads' objects through one store, and rank 0's tally finishes a transfer only
 when every rank reported it, with the smallest block count any rank reached."""
 
+import threading
 import time
 
 import pytest
@@ -119,6 +120,22 @@ def test_a_store_that_is_down_fails_saves_and_loads_but_every_rank_reports(io):
     assert n == 0 and not store.objects
     _, n = run(engine(2, store, io, fill=0), load([3, 4, 5]))
     assert n == 0
+
+
+def test_reports_reach_a_callback_without_anyone_polling(io):
+    """A worker's reports go out from its I/O thread: its step loop may be blocked waiting
+    for a step that rank 0 only sends once the report came."""
+    store, got, arrived = InMemoryBlockStore(), [], threading.Event()
+
+    def on_report(report):
+        got.append(report)
+        arrived.set()
+
+    rank = engine(1, store, io)[0]
+    rank.on_report = on_report
+    rank.start(save([0, 1]))
+    assert arrived.wait(10)
+    assert got == [TransferReport("req", "save", 0, 2)] and rank.poll() == []
 
 
 def test_the_tally_refuses_reports_it_did_not_ask_for():
