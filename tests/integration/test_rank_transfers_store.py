@@ -1,9 +1,10 @@
 """Per-rank transfers over the real KV store (an in-process master on Redis and two storage
 nodes, store and block secrets on): each tensor-parallel rank has its own store client and I/O
-thread, built from the same settings (the block secret read from the file, as each worker
-process would), and puts / gets only its own heads' objects; a block one layout wrote is a
-store hit for another layout, read back exactly."""
+thread, opened from the same pickled `KVStoreSettings` (paths, no secret: each rank reads the
+block secret from its file, as a worker process would), and puts / gets only its own heads'
+objects; a block one layout wrote is a store hit for another layout, read back exactly."""
 
+import pickle
 import time
 
 import pytest
@@ -12,8 +13,8 @@ import torch
 from pdserve.connector.codec import BlockCodec
 from pdserve.connector.head_objects import HeadObjects, RankHeads
 from pdserve.connector.io_thread import IOThread
-from pdserve.connector.kvstore.client import KVStoreClient, StoreClientConfig
 from pdserve.connector.rank_transfers import BlockRef, Completions, RankTransfers, Transfer
+from pdserve.services.engine_host.kv_connector_factory import KVStoreSettings
 from pdserve.services.kvstore.config import MasterConfig, NodeConfig
 from pdserve.services.kvstore.master_service import start_master
 from pdserve.services.kvstore.node import start_node
@@ -65,17 +66,16 @@ class Engine:
     """The ranks of a TP=tp engine: each its own I/O thread and store client."""
 
     def __init__(self, tp, maddr, block_secret, fill=None):
-        cfg = StoreClientConfig(transport="tcp", lookup_timeout_s=5.0,
-                                block_secret_file=block_secret)
+        settings = KVStoreSettings(master_addr=maddr, role="both", transport="tcp",
+                                   lookup_timeout_s=5.0, block_secret_file=block_secret)
         self.ios, self.clients, self.ranks = [], [], []
         offset = 0
         for rank, h in enumerate(LAYOUTS[tp]):
             io = IOThread(f"rank{rank}")
-
-            async def make():
-                return KVStoreClient.for_engines(maddr, cfg)
-
-            client = io.run(make(), 30)
+            # what a worker process would get: the settings pickled, no secret in them
+            sent = pickle.dumps(settings)
+            assert b"ef" * 32 not in sent
+            client = io.run(pickle.loads(sent).open_client(), 30)
             codec = BlockCodec(FP, LAYERS, BS, K, D, mac_key=client.mac_key)
             caches = [torch.randn(2, BLOCKS, BS, h, D) if fill is None else torch.zeros(
                 2, BLOCKS, BS, h, D) for _ in range(LAYERS)]
