@@ -88,6 +88,9 @@ class TransferReport:
     def __post_init__(self):
         _check_request_id(self.request_id)
         _check_kind(self.kind)
+        for name in ("rank", "blocks"):
+            if type(getattr(self, name)) is not int:  # a worker's message, unpickled
+                raise ValueError(f"{name} must be an int")
         if self.rank < 0:
             raise ValueError(f"rank must be >= 0, got {self.rank}")
         if not 0 <= self.blocks <= MAX_TRANSFER_BLOCKS:
@@ -214,7 +217,9 @@ class Completions:
         """Book one rank's report; the finished transfer's block count (the smallest over
         ranks) once it is the last rank's, else None. A report nobody expects, from a rank
         outside the engine, for more blocks than ordered, or a rank's second report is
-        refused (ValueError): a worker's message is not trusted blindly."""
+        refused (ValueError): a worker's message is not trusted blindly. The report is
+        checked again here: unpickling a dataclass does not run its __post_init__."""
+        r = TransferReport(r.request_id, r.kind, r.rank, r.blocks)
         if not 0 <= r.rank < self.world:
             raise ValueError(f"report from rank {r.rank} of {self.world}")
         k = (r.request_id, r.kind)

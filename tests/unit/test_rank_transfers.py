@@ -150,6 +150,11 @@ def test_the_tally_refuses_reports_it_did_not_ask_for():
                 TransferReport("req", "load", 0, 1)):
         with pytest.raises(ValueError):
             tally.add(bad)
+    forged = object.__new__(TransferReport)  # what unpickling builds: no __post_init__
+    for name, value in (("request_id", "req"), ("kind", "save"), ("rank", 1), ("blocks", -1)):
+        object.__setattr__(forged, name, value)
+    with pytest.raises(ValueError):
+        tally.add(forged)
     assert tally.add(TransferReport("req", "save", 1, 2)) is None
     with pytest.raises(ValueError):
         tally.add(TransferReport("req", "save", 1, 2))  # a rank reports once
@@ -169,3 +174,5 @@ def test_transfers_are_bounded_and_typed():
         Transfer("", "save", (BlockRef(KEYS[0], 0),))
     with pytest.raises(ValueError):
         TransferReport("req", "load", -1, 0)
+    with pytest.raises(ValueError):
+        TransferReport("req", "load", 0, "1")
