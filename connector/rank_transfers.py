@@ -10,7 +10,8 @@ object came and verified. Each finished transfer gives one `TransferReport`, whi
 sends back to rank 0; `Completions` there books a transfer finished once every rank
 reported it, with the block count the smallest any rank reached (a load recomputes from the
 first block some rank missed; a save is over, whatever stored, once no rank still reads the
-blocks).
+blocks). The messages themselves are in common/engine/kv_rank_messages.py, so the step's
+message can carry them.
 
 Why a save is encoded on the caller's thread at `start`: the step that filled the blocks has
 just run, and the caller (the worker's step loop) is the only writer of its caches, so the
@@ -25,76 +26,15 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Callable, Optional
 
+from pdserve.common.engine.kv_rank_messages import Transfer, TransferReport
 from pdserve.connector.codec import BlockCodecError
 from pdserve.connector.head_objects import RankHeads
 from pdserve.connector.io_thread import IOThread
 from pdserve.connector.store import BlockStore, put_stored
 
 log = logging.getLogger(__name__)
-Kind = Literal["save", "load"]
-KEY_BYTES = 32  # a block key is a sha256 (the chained block hash)
-MAX_TRANSFER_BLOCKS = 1 << 16  # a peer-sent transfer is bounded (a request's whole table)
-MAX_REQUEST_ID = 256
-
-
-@dataclass(frozen=True)
-class BlockRef:
-    key: bytes  # the block's chained hash (its last head object's store key)
-    block_id: int  # where the block lives in every rank's cache
-
-    def __post_init__(self):
-        if not isinstance(self.key, bytes) or len(self.key) != KEY_BYTES:
-            raise ValueError(f"a block key is {KEY_BYTES} bytes")
-        if self.block_id < 0:
-            raise ValueError(f"block_id must be >= 0, got {self.block_id}")
-
-
-def _check_request_id(rid: str) -> None:
-    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID:
-        raise ValueError(f"request_id must be 1..{MAX_REQUEST_ID} characters")
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in ("save", "load"):
-        raise ValueError(f"kind must be save or load, got {kind!r}")
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """Rank 0's order to every rank: move these blocks of one request, in this order."""
-    request_id: str
-    kind: Kind
-    blocks: tuple[BlockRef, ...]
-
-    def __post_init__(self):
-        _check_request_id(self.request_id)
-        _check_kind(self.kind)
-        if not 0 < len(self.blocks) <= MAX_TRANSFER_BLOCKS:
-            raise ValueError(f"a transfer moves 1..{MAX_TRANSFER_BLOCKS} blocks")
-
-
-@dataclass(frozen=True)
-class TransferReport:
-    """A rank's answer: its part of a transfer is over; `blocks`: leading blocks it stored
-    (save) or installed (load)."""
-    request_id: str
-    kind: Kind
-    rank: int
-    blocks: int
-
-    def __post_init__(self):
-        _check_request_id(self.request_id)
-        _check_kind(self.kind)
-        for name in ("rank", "blocks"):
-            if type(getattr(self, name)) is not int:  # a worker's message, unpickled
-                raise ValueError(f"{name} must be an int")
-        if self.rank < 0:
-            raise ValueError(f"rank must be >= 0, got {self.rank}")
-        if not 0 <= self.blocks <= MAX_TRANSFER_BLOCKS:
-            raise ValueError(f"blocks must be 0..{MAX_TRANSFER_BLOCKS}, got {self.blocks}")
 
 
 class RankTransfers:

@@ -10,10 +10,11 @@ import time
 import pytest
 import torch
 
+from pdserve.common.engine.kv_rank_messages import BlockRef, Transfer
 from pdserve.connector.codec import BlockCodec
 from pdserve.connector.head_objects import HeadObjects, RankHeads
 from pdserve.connector.io_thread import IOThread
-from pdserve.connector.rank_transfers import BlockRef, Completions, RankTransfers, Transfer
+from pdserve.connector.rank_transfers import Completions, RankTransfers
 from pdserve.services.engine_host.kv_connector_factory import KVStoreSettings
 from pdserve.services.kvstore.config import MasterConfig, NodeConfig
 from pdserve.services.kvstore.master_service import start_master

@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
+from pdserve.common.engine.kv_rank_messages import BlockRef, Transfer, TransferReport
 from pdserve.connector.codec import BlockCodec
 from pdserve.connector.head_objects import HeadObjects, RankHeads
 from pdserve.connector.io_thread import IOThread
-from pdserve.connector.rank_transfers import (BlockRef, Completions, RankTransfers, Transfer,
-                                              TransferReport)
+from pdserve.connector.rank_transfers import Completions, RankTransfers
 from pdserve.connector.store import InMemoryBlockStore
 
 FP = "ab" * 32
