@@ -76,18 +76,20 @@ def _watch_parent(parent: int) -> None:
 def worker_main(spec: WorkerSpec, conn, parent: int) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"[rank {spec.rank}] %(message)s")
     comm = kv = None
+    send_lock = threading.Lock()  # the main thread's messages and the KV reports'
     try:
         conn.send(("hello",))
         comm = _join(spec, parent)
         runner, link = _build(spec, comm)
-        kv = _build_rank_kv(spec, runner, conn)
+        kv = _build_rank_kv(spec, runner, conn, send_lock)
         conn.send(("ready",))
         _loop(conn, runner, link, kv)
     except (EOFError, BrokenPipeError):
         pass  # rank 0 went away: nothing left to serve
     except BaseException as exc:  # report what we can, then die: rank 0 takes the engine down
         try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            with send_lock:
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass
         log.exception("worker failed")
@@ -161,15 +163,14 @@ def _build(spec: WorkerSpec, comm):
     return ModelRunner(model, caches, cfg.cache.block_size, device), link
 
 
-def _build_rank_kv(spec: WorkerSpec, runner, conn):
+def _build_rank_kv(spec: WorkerSpec, runner, conn, lock: threading.Lock):
     """This rank's own KV transfers (None without spec.rank_kv); each report goes to rank 0
-    from the transfers' I/O thread, under a lock (the step loop sends errors on conn too)."""
+    from the transfers' I/O thread, under `lock` (the main thread sends errors on conn too)."""
     if spec.rank_kv is None:
         return None
     from pdserve.common.distributed.layout import RankPlace
 
     par = spec.config.parallel
-    lock = threading.Lock()
 
     def send(report) -> None:
         with lock:
