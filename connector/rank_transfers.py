@@ -80,7 +80,7 @@ class RankTransfers:
         return done
 
     def _report(self, t: Transfer, blocks: int) -> None:
-        report = TransferReport(t.request_id, t.kind, self.rank, blocks)
+        report = TransferReport(t.request_id, t.kind, self.rank, blocks, t.seq)
         if self.on_report is not None:
             self.on_report(report)
             return
@@ -139,14 +139,15 @@ class Completions:
         if world < 1:
             raise ValueError(f"world must be >= 1, got {world}")
         self.world = world
-        # (request id, kind) -> (blocks ordered, {rank: blocks it reported})
-        self._open: dict[tuple[str, str], tuple[int, dict[int, int]]] = {}
+        # (request id, kind, seq) -> (blocks ordered, {rank: blocks it reported})
+        self._open: dict[tuple[str, str, int], tuple[int, dict[int, int]]] = {}
 
     def expect(self, t: Transfer) -> None:
-        """A transfer rank 0 just sent to every rank (one per request and kind at a time)."""
-        k = (t.request_id, t.kind)
+        """A transfer rank 0 just sent to every rank (one per request, kind and seq at a
+        time)."""
+        k = (t.request_id, t.kind, t.seq)
         if k in self._open:
-            raise ValueError(f"a {t.kind} of {t.request_id!r} is already in flight")
+            raise ValueError(f"{t.kind} {t.seq} of {t.request_id!r} is already in flight")
         self._open[k] = (len(t.blocks), {})
 
     @property
@@ -159,12 +160,12 @@ class Completions:
         outside the engine, for more blocks than ordered, or a rank's second report is
         refused (ValueError): a worker's message is not trusted blindly. The report is
         checked again here: unpickling a dataclass does not run its __post_init__."""
-        r = TransferReport(r.request_id, r.kind, r.rank, r.blocks)
+        r = TransferReport(r.request_id, r.kind, r.rank, r.blocks, r.seq)
         if not 0 <= r.rank < self.world:
             raise ValueError(f"report from rank {r.rank} of {self.world}")
-        k = (r.request_id, r.kind)
+        k = (r.request_id, r.kind, r.seq)
         if k not in self._open:
-            raise ValueError(f"no {r.kind} of {r.request_id!r} is in flight")
+            raise ValueError(f"no {r.kind} {r.seq} of {r.request_id!r} is in flight")
         ordered, got = self._open[k]
         if r.blocks > ordered or r.rank in got:
             raise ValueError(f"rank {r.rank}: bad report {r}")

@@ -38,16 +38,25 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"kind must be save or load, got {kind!r}")
 
 
+def _check_seq(seq: int) -> None:
+    if type(seq) is not int or not 0 <= seq < 1 << 63:
+        raise ValueError(f"seq must be an int in [0, 2**63), got {seq!r}")
+
+
 @dataclass(frozen=True)
 class Transfer:
-    """Rank 0's order to every rank: move these blocks of one request, in this order."""
+    """Rank 0's order to every rank: move these blocks of one request, in this order. `seq`
+    tells apart transfers of one request in flight at once (decode saves a block each step
+    it fills): rank 0 numbers them, and the reports carry it back."""
     request_id: str
     kind: Kind
     blocks: tuple[BlockRef, ...]
+    seq: int = 0
 
     def __post_init__(self):
         _check_request_id(self.request_id)
         _check_kind(self.kind)
+        _check_seq(self.seq)
         if not 0 < len(self.blocks) <= MAX_TRANSFER_BLOCKS:
             raise ValueError(f"a transfer moves 1..{MAX_TRANSFER_BLOCKS} blocks")
 
@@ -60,10 +69,12 @@ class TransferReport:
     kind: Kind
     rank: int
     blocks: int
+    seq: int = 0  # its Transfer's
 
     def __post_init__(self):
         _check_request_id(self.request_id)
         _check_kind(self.kind)
+        _check_seq(self.seq)
         for name in ("rank", "blocks"):
             if type(getattr(self, name)) is not int:  # a worker's message, unpickled
                 raise ValueError(f"{name} must be an int")

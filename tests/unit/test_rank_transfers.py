@@ -151,7 +151,8 @@ def test_the_tally_refuses_reports_it_did_not_ask_for():
         with pytest.raises(ValueError):
             tally.add(bad)
     forged = object.__new__(TransferReport)  # what unpickling builds: no __post_init__
-    for name, value in (("request_id", "req"), ("kind", "save"), ("rank", 1), ("blocks", -1)):
+    for name, value in (("request_id", "req"), ("kind", "save"), ("rank", 1), ("blocks", -1),
+                        ("seq", 0)):
         object.__setattr__(forged, name, value)
     with pytest.raises(ValueError):
         tally.add(forged)
@@ -159,6 +160,31 @@ def test_the_tally_refuses_reports_it_did_not_ask_for():
     with pytest.raises(ValueError):
         tally.add(TransferReport("req", "save", 1, 2))  # a rank reports once
     assert tally.add(TransferReport("req", "save", 0, 1)) == 1 and tally.open == 0
+
+
+def test_several_saves_of_one_request_in_flight_are_told_apart_by_seq(io):
+    """Decode saves a block each step it fills: two saves of one request can be out at once."""
+    store = InMemoryBlockStore()
+    ranks = engine(2, store, io)
+    tally = Completions(2)
+    first = Transfer("req", "save", (BlockRef(KEYS[0], 0),), seq=7)
+    second = Transfer("req", "save", (BlockRef(KEYS[1], 1), BlockRef(KEYS[2], 2)), seq=8)
+    for t in (first, second):
+        tally.expect(t)
+        for r in ranks:
+            r.start(t)
+    deadline, done = time.monotonic() + 10, {}
+    while tally.open:
+        assert time.monotonic() < deadline, "a rank never reported"
+        for r in ranks:
+            for rep in r.poll():
+                n = tally.add(rep)
+                if n is not None:
+                    done[rep.seq] = n
+        time.sleep(0.005)
+    assert done == {7: 1, 8: 2} and len(store.objects) == 3 * K
+    with pytest.raises(ValueError):
+        tally.add(TransferReport("req", "save", 0, 1, 7))  # over: not in flight any more
 
 
 def test_transfers_are_bounded_and_typed():
@@ -176,3 +202,5 @@ def test_transfers_are_bounded_and_typed():
         TransferReport("req", "load", -1, 0)
     with pytest.raises(ValueError):
         TransferReport("req", "load", 0, "1")
+    with pytest.raises(ValueError):
+        Transfer("req", "save", (BlockRef(KEYS[0], 0),), seq=-1)
