@@ -18,9 +18,10 @@ block. A reader that misses any of a block's head objects (evicted, or a rank's 
 treats the block as missing: the load stops there and the engine recomputes from it.
 
 `RankHeads` is one rank's side: its caches and its run of heads, encoding and installing only
-those heads' objects. Not wired in yet: the connector still stores whole blocks, copied by
-rank 0 through shared memory; the rest of the design (a store client per rank, the transfers
-in SchedulerOutput, completion reports) is in docs/parallelism.md.
+those heads' objects (rank_transfers.py moves them through a store, a worker process runs
+them: rank_kv_factory.py). Not used by an engine yet: the connector still stores whole
+blocks, copied by rank 0 through shared memory; what is left (rank 0's engine side and a
+connector mode) is listed in docs/parallelism.md.
 """
 
 from __future__ import annotations

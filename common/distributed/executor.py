@@ -26,7 +26,7 @@ import os
 import pickle
 import time
 import weakref
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol
 
 import socket
 import subprocess
@@ -40,7 +40,11 @@ from pdserve.common.config import EngineConfig, ModelConfig
 from pdserve.common.distributed.worker import WorkerSpec
 from pdserve.common.engine.model_runner import LayerDone, ModelRunner
 from pdserve.common.engine.protocol import EngineFatalError
+from pdserve.common.engine.kv_rank_messages import Transfer, TransferReport
 from pdserve.common.engine.scheduler_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from pdserve.common.distributed.rank_kv import RankKVFactory
 
 log = logging.getLogger(__name__)
 
@@ -127,9 +131,12 @@ class WorkerGroup:
 
     def __init__(self, config: EngineConfig, num_blocks: int, slot_floats: int,
                  model: Optional[tuple[ModelConfig, dict]] = None,
-                 shared_kv: Optional[ModelConfig] = None):
+                 shared_kv: Optional[ModelConfig] = None,
+                 rank_kv: Optional["RankKVFactory"] = None):
         """`shared_kv`: the model's config when every rank's KV cache must live in shared
-        memory (a KV connector; kv_share.py); `kv_paths` then names the files, rank order."""
+        memory (a KV connector; kv_share.py); `kv_paths` then names the files, rank order.
+        `rank_kv`: each worker moves its own heads' KV (rank_kv.py; `send_transfers`,
+        `poll_reports`)."""
         from pdserve.common.distributed.kv_share import create_kv_files
         from pdserve.common.distributed.shm_comm import ShmCommunicator, make_buffers
         from pdserve.common.distributed.torch_comm import init_group, make_store
@@ -156,7 +163,8 @@ class WorkerGroup:
             for rank in range(1, world):
                 spec = WorkerSpec(rank, world, self._store.port, config, num_blocks, model,
                                   self._shm_paths[rank // tp] if self._shm else None,
-                                  slot_floats, self.kv_paths[rank] if self.kv_paths else None)
+                                  slot_floats, self.kv_paths[rank] if self.kv_paths else None,
+                                  rank_kv)
                 self._spawn(spec)
             self._expect("hello")
             comm = init_group(self._store, 0, world, config.device, tp)
@@ -228,6 +236,31 @@ class WorkerGroup:
             if msg[0] != what:
                 raise WorkerDiedError(f"tensor-parallel worker {rank} sent {msg[0]!r}, "
                                       f"expected {what!r}")
+
+    def send_transfers(self, transfers: tuple[Transfer, ...]) -> None:
+        """Per-rank KV transfers to start now, with no step (a load that starts while no
+        request runs); a step's own go in its SchedulerOutput."""
+        payload = pickle.dumps(SchedulerOutput(transfers=transfers),
+                               protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self.conns:
+            conn.send_bytes(payload)
+
+    def poll_reports(self) -> list[TransferReport]:
+        """The workers' per-rank KV transfer reports that arrived, without waiting. A
+        worker's error message raises WorkerDiedError; anything else it sends is refused the
+        same way (Completions checks the reports themselves)."""
+        out = []
+        for rank, conn in enumerate(self.conns, start=1):
+            while conn.poll(0):
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    raise WorkerDiedError(f"worker {rank} closed its socket") from None
+                if not (isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "kv"
+                        and isinstance(msg[1], TransferReport)):
+                    raise WorkerDiedError(f"worker {rank} sent {str(msg)[:200]}")
+                out.append(msg[1])
+        return out
 
     def wait_ready(self) -> None:
         try:

@@ -8,6 +8,9 @@ Lifecycle, driven by rank 0 over a socket (`python -m pdserve.common.distributed
    it with the other ranks); None, or the socket closing (rank 0 died), ends the loop. A
    pipeline stage after the first first receives the previous stage's hidden states, and
    hands its own on (pipeline.py); the last stage's tensor rank 0 sends rank 0 the logits.
+   With `spec.rank_kv` the rank also starts the step's per-rank KV transfers after its
+   forward (a message with no chunks carries only transfers) and sends ("kv", report) for
+   each as it ends, from the transfers' I/O thread (rank_kv.py).
 A failure in a collective (a peer died) ends the process with an error; nothing is retried.
 A watchdog thread ends the process when rank 0 is gone (its parent changes), whatever the
 main thread is blocked in.
@@ -22,11 +25,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from pdserve.common.config import EngineConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from pdserve.common.distributed.rank_kv import RankKVFactory
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +49,8 @@ class WorkerSpec:
     shm_path: Optional[str] = None  # its stage's shared-memory all-reduce buffers (shm_comm)
     slot_floats: int = 0
     kv_path: Optional[str] = None  # this rank's KV cache file (kv_share.py), with a connector
+    # builds this rank's own KV transfers (rank_kv.py); None: rank 0 moves every rank's KV
+    rank_kv: Optional["RankKVFactory"] = None
 
 
 def main(argv: list[str]) -> int:
@@ -67,23 +75,28 @@ def _watch_parent(parent: int) -> None:
 
 def worker_main(spec: WorkerSpec, conn, parent: int) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"[rank {spec.rank}] %(message)s")
-    comm = None
+    comm = kv = None
+    send_lock = threading.Lock()  # the main thread's messages and the KV reports'
     try:
         conn.send(("hello",))
         comm = _join(spec, parent)
         runner, link = _build(spec, comm)
+        kv = _build_rank_kv(spec, runner, conn, send_lock)
         conn.send(("ready",))
-        _loop(conn, runner, link)
+        _loop(conn, runner, link, kv)
     except (EOFError, BrokenPipeError):
         pass  # rank 0 went away: nothing left to serve
     except BaseException as exc:  # report what we can, then die: rank 0 takes the engine down
         try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            with send_lock:
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass
         log.exception("worker failed")
         sys.exit(1)
     finally:
+        if kv is not None:
+            kv.close()
         if comm is not None:
             comm.close()
 
@@ -150,9 +163,29 @@ def _build(spec: WorkerSpec, comm):
     return ModelRunner(model, caches, cfg.cache.block_size, device), link
 
 
-def _loop(conn, runner, link) -> None:
+def _build_rank_kv(spec: WorkerSpec, runner, conn, lock: threading.Lock):
+    """This rank's own KV transfers (None without spec.rank_kv); each report goes to rank 0
+    from the transfers' I/O thread, under `lock` (the main thread sends errors on conn too)."""
+    if spec.rank_kv is None:
+        return None
+    from pdserve.common.distributed.layout import RankPlace
+
+    par = spec.config.parallel
+
+    def send(report) -> None:
+        with lock:
+            try:
+                conn.send(("kv", report))
+            except OSError:  # rank 0 is gone: the parent watch ends this process
+                pass
+
+    place = RankPlace(spec.rank, par.tensor_parallel_size, par.pipeline_parallel_size)
+    return spec.rank_kv.build(runner.kv_caches, place, send)
+
+
+def _loop(conn, runner, link, kv=None) -> None:
     """Steps in order until told to stop. `link`: the pipeline hand-off (None without
-    stages)."""
+    stages); `kv`: this rank's KV transfers (None without them)."""
     pp = runner.model.pp
     send_logits = pp.is_last and link is not None and link.place.tp_rank == 0
     while True:
@@ -160,12 +193,18 @@ def _loop(conn, runner, link) -> None:
         out = pickle.loads(payload)
         if out is None:  # rank 0 collected every step: no send is still wanted
             return
+        if not out.chunks:  # transfers only (rank 0 sends none without a RankKV)
+            for t in out.transfers:
+                kv.start(t)
+            continue
         hidden_in = None if pp.is_first else link.recv_hidden(out.num_tokens)
         result = runner.execute(out, hidden_in=hidden_in)
         if not pp.is_last:
             link.send_hidden(result)  # [T, hidden]
         elif send_logits:
             link.send_logits(result)  # [N, vocab] (N = 0: nothing, or the end-of-step mark)
+        for t in out.transfers:  # this step wrote the blocks it saves
+            kv.start(t)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.common.engine.kv_rank_messages import Transfer
+
 
 @dataclass(frozen=True)
 class ScheduledChunk:
@@ -40,6 +42,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...] = ()
     preempted: tuple[str, ...] = ()  # request ids preempted (blocks freed) this step
+    # per-rank KV transfers every rank starts after this step's forward (a message with no
+    # chunks carries only these; docs/parallelism.md, "Per-rank transfers")
+    transfers: tuple[Transfer, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -61,6 +61,14 @@ class KVStoreSettings:
         """The channel to the master: mutual TLS with this engine's certificate when on."""
         return open_channel(address, self.tls, "kvstore-master")
 
+    async def open_client(self) -> KVStoreClient:
+        """A store client bound to the running loop (grpc.aio channels bind to the loop they
+        were made on), its block keys read from the secret file now. The settings hold paths,
+        never secret material, so they can be pickled to another process (a tensor-parallel
+        worker, docs/parallelism.md "Per-rank transfers") that opens its own client."""
+        return KVStoreClient.for_engines(self.master_addr, self.store_client_config(),
+                                         self.open_master_channel)
+
 
 class ServiceKVConnector(StoreKVConnector):
     """StoreKVConnector that also owns its store client, so closing it closes the client."""
@@ -78,13 +86,8 @@ def connector_factory(settings: KVStoreSettings) -> Callable:
         cfg = engine.model_config
         io = IOThread()
 
-        async def make_client():
-            return KVStoreClient.for_engines(settings.master_addr,
-                                             settings.store_client_config(),
-                                             settings.open_master_channel)
-
         try:
-            client = io.run(make_client(), 30.0)
+            client = io.run(settings.open_client(), 30.0)
         except BaseException:
             io.close()
             raise
