@@ -1,0 +1,86 @@
+"""RankKVLink, rank 0's end of per-rank KV transfers (common/engine/rank_kv_link.py), over a
+fake executor and a fake rank 0 RankKV: who starts what, in which order, and where the
+reports come from. The real store and worker processes: tests/integration/
+test_rank_transfers_store.py."""
+
+import pytest
+
+from pdserve.common.config import EngineConfig, ParallelConfig
+from pdserve.common.engine.engine_core import EngineCore
+from pdserve.common.engine.kv_rank_messages import BlockRef, Transfer, TransferReport
+from pdserve.common.engine.rank_kv_link import RankKVLink
+
+
+class FakeExecutor:
+    def __init__(self, log):
+        self.log, self.reports = log, []
+
+    def send_transfers(self, transfers):
+        self.log.append(("workers", transfers))
+
+    def poll_reports(self):
+        out, self.reports = self.reports, []
+        return out
+
+
+class FakeRankKV:
+    def __init__(self, log):
+        self.log, self.closed = log, 0
+
+    def start(self, t):
+        self.log.append(("rank0", t))
+
+    def close(self):
+        self.closed += 1
+
+
+def _transfer(kind, seq=0):
+    return Transfer("r", kind, (BlockRef(b"k" * 32, 1),), seq)
+
+
+def test_send_orders_the_workers_first_then_starts_rank_0s_part():
+    log = []
+    link = RankKVLink(FakeExecutor(log))
+    link.attach(FakeRankKV(log))
+    ts = (_transfer("save"), _transfer("load"))
+    link.send(ts)
+    assert log == [("workers", ts), ("rank0", ts[0]), ("rank0", ts[1])]
+    link.send(())  # nothing to send: the workers get no empty message
+    assert len(log) == 3
+
+
+def test_after_forward_starts_only_rank_0s_part():
+    log = []
+    link = RankKVLink(FakeExecutor(log))
+    link.attach(FakeRankKV(log))
+    link.after_forward((_transfer("save"),))
+    assert log == [("rank0", _transfer("save"))]
+
+
+def test_poll_hands_back_rank_0s_reports_then_the_workers_once_each():
+    ex = FakeExecutor([])
+    link = RankKVLink(ex)
+    mine, theirs = TransferReport("r", "save", 0, 1), TransferReport("r", "save", 1, 1)
+    ex.reports = [theirs]
+    link.on_report(mine)
+    assert link.poll() == [mine, theirs]
+    assert link.poll() == []
+
+
+def test_no_rank_0_transfers_refuses_to_start_and_close_is_idempotent():
+    log = []
+    link = RankKVLink(FakeExecutor(log))
+    with pytest.raises(RuntimeError):
+        link.after_forward((_transfer("save"),))
+    own = FakeRankKV(log)
+    link.attach(own)
+    link.close()
+    link.close()
+    assert own.closed == 1
+
+
+def test_an_engine_with_pipeline_stages_refuses_per_rank_transfers_before_any_process():
+    config = EngineConfig(model="tiny", num_threads=1,
+                          parallel=ParallelConfig(pipeline_parallel_size=2))
+    with pytest.raises(NotImplementedError, match="pipeline"):
+        EngineCore(config, rank_kv=object())
