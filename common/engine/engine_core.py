@@ -200,8 +200,8 @@ class EngineCore:
 
     def _link_rank_kv(self, factory: RankKVFactory) -> RankKVLink:
         """Rank 0's own RankKV over its caches (its heads), reporting to the link."""
-        link = RankKVLink(self.executor)
         par = self.config.parallel
+        link = RankKVLink(self.executor, par.world_size)
         try:
             link.attach(factory.build(self.executor.runner.kv_caches,
                                       RankPlace(0, par.tensor_parallel_size,

@@ -15,13 +15,14 @@ from pdserve.common.config import CacheConfig, EngineConfig, ParallelConfig
 from pdserve.common.distributed.executor import WorkerGroup
 from pdserve.common.engine.engine_core import EngineCore
 from pdserve.common.engine.kv_rank_messages import BlockRef, Transfer, TransferReport
+from pdserve.common.engine.rank_kv_tally import Completions
 from pdserve.common.models.registry import load_model
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.connector.codec import BlockCodec
 from pdserve.connector.head_objects import HeadObjects, RankHeads
 from pdserve.connector.io_thread import IOThread
 from pdserve.connector.rank_kv_factory import RankTransfersFactory
-from pdserve.connector.rank_transfers import Completions, RankTransfers
+from pdserve.connector.rank_transfers import RankTransfers
 from pdserve.services.engine_host.kv_connector_factory import KVStoreSettings
 from pdserve.services.kvstore.config import MasterConfig, NodeConfig
 from pdserve.services.kvstore.master_service import start_master
@@ -212,19 +213,14 @@ def _engine(tp, factory):
                       rank_kv=factory)
 
 
-def _finish(engine, transfers):
-    """Wait for every rank's report of each transfer (rank 0's tally, as the connector will
-    keep it): {(kind, seq): blocks every rank moved}."""
-    tally = Completions(engine.config.parallel.world_size)
-    for t in transfers:
-        tally.expect(t)
+def _finish(engine):
+    """Wait until every rank reported every transfer the engine started (its link's tally):
+    {(kind, seq): blocks every rank moved}."""
     done, deadline = {}, time.monotonic() + 30
-    while tally.open:
+    while engine.rank_kv.open:
         assert time.monotonic() < deadline, "a rank never reported"
-        for rep in engine.rank_kv.poll():
-            n = tally.add(rep)
-            if n is not None:
-                done[(rep.kind, rep.seq)] = n
+        for f in engine.rank_kv.poll():
+            done[(f.transfer.kind, f.transfer.seq)] = f.blocks
         time.sleep(0.01)
     return done
 
@@ -256,7 +252,7 @@ def test_engines_of_two_layouts_move_kv_through_their_rank_links(cluster):
                  (one, transfer("load", [5, 6, 7], again))]
         for engine, t in steps:
             engine.rank_kv.send((t,))
-            assert _finish(engine, (t,)) == {(t.kind, 0): 3}
+            assert _finish(engine) == {(t.kind, 0): 3}
         for i in range(3):
             assert torch.equal(_block(one, 5 + i), _block(one, i))
             assert torch.equal(_block(two, 3 + i), _block(one, i)[..., :1, :])
@@ -294,12 +290,12 @@ def test_a_tp2_step_saves_what_its_forward_wrote_on_every_rank(cluster):
 
     try:
         run(two, True)  # the reports wait in the link until polled
-        assert _finish(two, (transfer("save", tables[two][:3], keys),)) == {("save", 0): 3}
+        assert _finish(two) == {("save", 0): 3}
         run(one, False)
         free = [b for b in range(BLOCKS) if b not in tables[one]][:3]
         load = transfer("load", free, keys)
         one.rank_kv.send((load,))
-        assert _finish(one, (load,)) == {("load", 0): 3}
+        assert _finish(one) == {("load", 0): 3}
         for got, want in zip(free, tables[one][:3]):
             assert torch.allclose(_block(one, got), _block(one, want), atol=1e-5)
     finally:
