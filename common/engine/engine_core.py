@@ -65,13 +65,14 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None,
                  connector_factory: Optional[Callable[["EngineCore"], KVConnector]] = None,
-                 rank_kv: Optional[RankKVFactory] = None):
+                 rank_kv: Optional[Callable[["EngineCore"], RankKVFactory]] = None):
         """`connector_factory(engine)` builds the KV connector once the model and its KV
         geometry are known (it may read engine.model_config, engine.fingerprint, ...).
         `loaded`: an already loaded model (tensor-parallel workers get its weights too).
-        `rank_kv`: every rank moves its own heads' KV (`self.rank_kv`, rank_kv_link.py); given
-        apart from the connector because the workers need it when they spawn, before the
-        connector exists."""
+        `rank_kv(engine)`: every rank moves its own heads' KV (`self.rank_kv`,
+        rank_kv_link.py; a connector's per_rank mode uses it); the factory the workers get,
+        built once the model's KV geometry is known (model_config, fingerprint, kv_dtype) and
+        before they spawn, so apart from the connector, which is built after them."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -91,7 +92,9 @@ class EngineCore:
         cc = config.cache
         # ranks on one host share its memory (the budget covers all of them); GPUs have their own
         self.kv_dtype = engine_kv_dtype(config)
-        if connector_factory is not None and world > 1:  # before any process starts
+        # rank 0 reads every rank's KV only for a connector without per-rank transfers
+        share_kv = connector_factory is not None and rank_kv is None
+        if share_kv and world > 1:  # before any process starts
             check_shareable_kv(config.device, self.kv_dtype)
         per_token = kv_bytes_per_token(cfg.kv_bytes_per_token, self.kv_dtype)
         if config.device != "cpu":  # the busiest rank holds the most KV heads and layers
@@ -114,10 +117,11 @@ class EngineCore:
         self.max_model_len = min(config.scheduler.max_model_len, cfg.max_position_embeddings,
                                  plan.num_tokens)
         self.cpu_gemm = resolve_cpu_gemm(config.cpu_gemm, config.device)
+        factory = rank_kv(self) if rank_kv is not None else None
         self.executor = self._start_executor(loaded, plan.num_blocks, given, model,
-                                             connector_factory is not None, rank_kv)
+                                             share_kv, factory)
         self.model = self.executor.runner.model  # rank 0's shard (the whole model at T=1)
-        self.rank_kv = self._link_rank_kv(rank_kv) if rank_kv is not None else None
+        self.rank_kv = self._link_rank_kv(factory) if factory is not None else None
         self.pool = BlockPool(plan.num_blocks, cc.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, cc.block_size, self.fingerprint)
         self.connector = connector_factory(self) if connector_factory else None

@@ -24,51 +24,12 @@ from pdserve.connector.io_thread import IOThread
 from pdserve.connector.rank_kv_factory import RankTransfersFactory
 from pdserve.connector.rank_transfers import RankTransfers
 from pdserve.services.engine_host.kv_connector_factory import KVStoreSettings
-from pdserve.services.kvstore.config import MasterConfig, NodeConfig
-from pdserve.services.kvstore.master_service import start_master
-from pdserve.services.kvstore.node import start_node
+from pdserve.tests.integration.rank_kv_cluster import cluster  # noqa: F401 - a fixture
 
-MiB = 1 << 20
 FP = "cd" * 32
 LAYERS, BLOCKS, BS, K, D = 2, 8, 4, 3, 16
 LAYOUTS = {1: (3,), 2: (2, 1), 3: (1, 1, 1)}
 KEYS = [bytes([i]) * 32 for i in range(1, 5)]
-
-
-@pytest.fixture
-def cluster(redis_url, tmp_path):
-    """(master address, block secret file): master and two nodes on their own loop thread."""
-    secret = tmp_path / "store.secret"
-    secret.write_text("cd" * 32)
-    secret.chmod(0o600)
-    blocks = tmp_path / "block.secret"
-    blocks.write_text("ef" * 32)
-    blocks.chmod(0o600)
-    io = IOThread("store-servers")
-
-    async def up():
-        master = await start_master(MasterConfig(port=0, redis_url=redis_url,
-                                                 namespace=f"t:{tmp_path.name}",
-                                                 store_secret_file=str(secret)))
-        addr = f"127.0.0.1:{master.port}"
-        nodes = [await start_node(NodeConfig(master_addr=addr, capacity=16 * MiB,
-                                             node_id=f"n{i}", transport="tcp",
-                                             store_secret_file=str(secret)))
-                 for i in range(2)]
-        return master, nodes
-
-    master, nodes = io.run(up(), 60)
-
-    async def down():
-        for n in nodes:
-            await n.stop()
-        await master.stop(0)
-
-    try:
-        yield f"127.0.0.1:{master.port}", str(blocks)
-    finally:
-        io.run(down(), 60)
-        io.close()
 
 
 class Engine:
@@ -210,7 +171,7 @@ def _engine(tp, factory):
                                    cache=CacheConfig(num_blocks=BLOCKS, block_size=BS),
                                    parallel=ParallelConfig(tensor_parallel_size=tp,
                                                            all_reduce="gloo")),
-                      rank_kv=factory)
+                      rank_kv=lambda _: factory)
 
 
 def _finish(engine):

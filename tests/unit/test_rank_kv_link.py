@@ -112,4 +112,4 @@ def test_an_engine_with_pipeline_stages_refuses_per_rank_transfers_before_any_pr
     config = EngineConfig(model="tiny", num_threads=1,
                           parallel=ParallelConfig(pipeline_parallel_size=2))
     with pytest.raises(NotImplementedError, match="pipeline"):
-        EngineCore(config, rank_kv=object())
+        EngineCore(config, rank_kv=lambda _: object())
