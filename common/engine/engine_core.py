@@ -94,7 +94,8 @@ class EngineCore:
         self.kv_dtype = engine_kv_dtype(config)
         # rank 0 reads every rank's KV only for a connector without per-rank transfers
         share_kv = connector_factory is not None and rank_kv is None
-        if share_kv and world > 1:  # before any process starts
+        # (per-rank transfers too: neither GPU ranks nor other cache dtypes are tested there)
+        if connector_factory is not None and world > 1:  # before any process starts
             check_shareable_kv(config.device, self.kv_dtype)
         per_token = kv_bytes_per_token(cfg.kv_bytes_per_token, self.kv_dtype)
         if config.device != "cpu":  # the busiest rank holds the most KV heads and layers
