@@ -169,6 +169,9 @@ def _disagg_up_args(up: argparse.ArgumentParser) -> None:
                    help="how engines reach the KV store's nodes (auto: UCX where available)")
     g.add_argument("--kv-reuse", action=argparse.BooleanOptionalAction, default=True,
                    help="KV reuse on the engines (docs/kv-reuse.md)")
+    g.add_argument("--kv-per-rank", action=argparse.BooleanOptionalAction, default=None,
+                   help="every engine's tensor-parallel ranks move their own KV heads "
+                        "(serve's --kv-per-rank; default: the engines' own)")
     g.add_argument("--min-prefill-tokens", type=int, default=0,
                    help="fewer uncached prompt tokens: decode computes them, no prefill")
 
