@@ -27,23 +27,24 @@ from pdserve.tests.unit.test_kv_layouts import (BS, FIRST, GREEDY, PROMPTS,  # n
 STORED = sum(len(p) // BS for p in PROMPTS)
 
 
-def engine(tiny, tp, cluster, role="both"):
+def engine(tiny, tp, cluster, role="both", per_rank=True):
     cfg = EngineConfig(model="tiny", num_threads=1,
                        cache=CacheConfig(num_blocks=64, block_size=BS),
                        scheduler=SchedulerConfig(max_num_batched_tokens=16, max_model_len=256),
                        parallel=ParallelConfig(tensor_parallel_size=tp, all_reduce="gloo"))
     maddr, secret = cluster
     kv = KVStoreSettings(master_addr=maddr, role=role, transport="tcp", lookup_timeout_s=5.0,
-                         block_secret_file=secret, per_rank=True)
-    core = EngineCore(cfg, tiny, connector_factory(kv), rank_kv=rank_kv_factory(kv))
-    assert isinstance(core.connector, RankKVConnector)
+                         block_secret_file=secret, per_rank=per_rank)
+    core = EngineCore(cfg, tiny, connector_factory(kv),
+                      rank_kv=rank_kv_factory(kv) if per_rank else None)
+    assert isinstance(core.connector, RankKVConnector) == per_rank
     return core
 
 
 def settle(core):
     """Every transfer the engine started booked; every block back in its pool."""
     deadline = time.monotonic() + 30
-    while core.rank_kv.open:  # a step books what the link reports (get_finished)
+    while core.rank_kv is not None and core.rank_kv.open:  # a step books what it reports
         assert time.monotonic() < deadline, "a transfer was never reported"
         core.step()
         time.sleep(0.01)
@@ -89,6 +90,33 @@ def test_a_per_rank_store_hit_written_by_tp2_is_read_by_tp1(tiny, reference, clu
         got = run(reader, [(f"r{i}", p, GREEDY, None) for i, p in enumerate(PROMPTS)])
         assert reader.connector.stats.blocks_loaded == STORED
         assert reader.connector.stats.load_failures == 0
+        settle(reader)
+    finally:
+        reader.close()
+    assert got == reference
+
+
+@pytest.mark.parametrize("writer_per_rank", [False, True])
+def test_engines_in_different_modes_sharing_a_store_recompute_not_misread(
+        tiny, reference, cluster, writer_per_rank):
+    """Every engine sharing a store must use one mode; one that does not finds the other
+    mode's blocks (the lookup keys are the same) but cannot read them: a per-rank reader
+    misses the other heads' objects and reads the whole block under the last head's key,
+    whose size and MAC do not fit; a whole-block reader reads the last head's object alone.
+    Either way the load fails and the reader recomputes: tokens unchanged, nothing loaded."""
+    writer = engine(tiny, 1, cluster, per_rank=writer_per_rank)
+    try:
+        assert run(writer, [(f"r{i}", p, GREEDY, None)
+                            for i, p in enumerate(PROMPTS)]) == reference
+        settle(writer)
+    finally:
+        writer.close()
+    reader = engine(tiny, 2 if not writer_per_rank else 1, cluster, "consumer",
+                    per_rank=not writer_per_rank)
+    try:
+        got = run(reader, [(f"r{i}", p, GREEDY, None) for i, p in enumerate(PROMPTS)])
+        stats = reader.connector.stats
+        assert stats.blocks_loaded == 0 and stats.load_failures >= 1
         settle(reader)
     finally:
         reader.close()
