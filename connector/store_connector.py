@@ -90,6 +90,10 @@ class ConnectorConfig:
     # objects per block, each a run of layers (connector/segments.py): > 1 puts a step's first
     # layers while its later layers compute; every engine sharing a store must agree
     layer_segments: int = 1
+    # every tensor-parallel rank moves its own KV heads, one object per head
+    # (rank_connector.py, docs/parallelism.md "Per-rank transfers"); every engine sharing a
+    # store must agree (a whole-block reader of a head object fails its MAC and recomputes)
+    per_rank: bool = False
 
     def __post_init__(self):
         if self.role not in ("producer", "consumer", "both"):
@@ -104,6 +108,10 @@ class ConnectorConfig:
         if not 1 <= self.layer_segments <= MAX_SEGMENTS:
             raise ValueError(f"layer_segments must be 1..{MAX_SEGMENTS}, got "
                              f"{self.layer_segments}")
+        if not isinstance(self.per_rank, bool):
+            raise ValueError(f"per_rank must be a bool, got {self.per_rank!r}")
+        if self.per_rank and self.layer_segments != 1:  # objects x segments: not yet
+            raise ValueError("per_rank and layer_segments > 1 exclude each other")
 
 
 @dataclass
@@ -241,9 +249,19 @@ class StoreKVConnector(PipelinedSaves, SaveIO, KVConnector):
         self._step = self._stage(batch)
 
     def _stage(self, batch) -> Optional[StagedStep]:
-        """Staging for the blocks that become full in this step (None: none); starts the
-        backfill of a request's local prefix-cache hits on its first chunk. Decode's blocks
-        take from save_budget_bytes: those of a step that do not fit are not staged."""
+        """Staging for the blocks that become full in this step (None: none)."""
+        staged, reserved = self._blocks_to_save(batch)
+        if not staged:
+            return None
+        views, bufs = stage(self.segments, len(staged))
+        ids = torch.tensor([b for _, _, b in staged], dtype=torch.long)
+        return StagedStep(staged, ids, views, bufs, reserved=reserved)
+
+    def _blocks_to_save(self, batch) -> tuple[list[tuple[str, bytes, int]], int]:
+        """(request id, key, block id) of the blocks that become full in this step, and the
+        save budget bytes reserved for them; starts the backfill of a request's local
+        prefix-cache hits on its first chunk. Decode's blocks take from save_budget_bytes:
+        those of a step that do not fit are not saved."""
         bs = self.codec.block_size
         staged = []  # (request id, key, block id)
         for req, n, block_ids in batch:
@@ -259,14 +277,9 @@ class StoreKVConnector(PipelinedSaves, SaveIO, KVConnector):
                                          block_ids[:local])
             for i in range(c // bs, (c + n) // bs):
                 staged.append((req.request_id, req.block_hashes[i], block_ids[i]))
-        reserved = 0
         if staged and not self.produces:
-            staged, reserved = self._reserve(staged)
-        if not staged:
-            return None
-        views, bufs = stage(self.segments, len(staged))
-        ids = torch.tensor([b for _, _, b in staged], dtype=torch.long)
-        return StagedStep(staged, ids, views, bufs, reserved=reserved)
+            return self._reserve(staged)
+        return staged, 0
 
     def _reserve(self, staged: list) -> tuple[list, int]:
         """The leading staged blocks that fit in what is left of save_budget_bytes, and the

@@ -169,6 +169,9 @@ def _disagg_up_args(up: argparse.ArgumentParser) -> None:
                    help="how engines reach the KV store's nodes (auto: UCX where available)")
     g.add_argument("--kv-reuse", action=argparse.BooleanOptionalAction, default=True,
                    help="KV reuse on the engines (docs/kv-reuse.md)")
+    g.add_argument("--kv-per-rank", action=argparse.BooleanOptionalAction, default=None,
+                   help="every engine's tensor-parallel ranks move their own KV heads "
+                        "(serve's --kv-per-rank; default: the engines' own)")
     g.add_argument("--min-prefill-tokens", type=int, default=0,
                    help="fewer uncached prompt tokens: decode computes them, no prefill")
 
@@ -191,6 +194,11 @@ def _kv_args(p: argparse.ArgumentParser) -> None:
                    help="store each KV block as this many objects, each a run of layers, so "
                         "prefill puts the first layers while the later ones compute; every "
                         "engine sharing the store must use the same value (docs/kv-reuse.md)")
+    p.add_argument("--kv-per-rank", action=argparse.BooleanOptionalAction, default=None,
+                   help="every tensor-parallel rank moves its own KV heads through the store, "
+                        "one object per head (default: EngineServiceConfig.kv_per_rank); "
+                        "every engine sharing the store must use the same mode "
+                        "(docs/parallelism.md)")
     p.add_argument("--kv-block-secret-file", default="",
                    help="file with the block secret every engine and the router share: "
                         "keys and MACs of stored blocks (default: "
@@ -280,6 +288,8 @@ def engine_service_config(args):
         kv_store=args.kv_store, kv_transport=args.kv_transport, kv_lease_s=args.kv_lease,
         kv_load_timeout_s=args.kv_load_timeout, kv_reuse=args.kv_reuse,
         kv_layer_segments=args.kv_layer_segments,
+        # None: the config's default (its one source)
+        **({} if args.kv_per_rank is None else {"kv_per_rank": args.kv_per_rank}),
         kv_block_secret_file=args.kv_block_secret_file,
         metrics_port=args.metrics_port,
         otlp_endpoint=args.otlp_endpoint, device=args.device,

@@ -190,6 +190,8 @@ def _engine(args, log_dir: Path, e: _Engine, store: str, registry: str,
                   "--kv-block-secret-file", kv_secrets.block]
         if not args.kv_reuse:
             words.append("--no-kv-reuse")
+        if args.kv_per_rank is not None:  # one mode for every engine sharing the store
+            words.append("--kv-per-rank" if args.kv_per_rank else "--no-kv-per-rank")
     if registry:
         words += ["--registry", registry]
     if e.cpus and shutil.which("taskset"):  # pinned from exec on, before any thread starts

@@ -79,6 +79,13 @@ class Executor(Protocol):
     def check_health(self) -> None:
         """Raise WorkerDiedError when a rank is gone."""
 
+    def send_transfers(self, transfers: tuple[Transfer, ...]) -> None:
+        """Per-rank KV transfers the workers start now, with no step (rank 0 starts its own:
+        rank_kv_link.py); nothing to send without workers."""
+
+    def poll_reports(self) -> list[TransferReport]:
+        """The workers' per-rank KV transfer reports that arrived, without waiting."""
+
     def close(self) -> None:
         """Stop every rank; idempotent."""
 
@@ -111,6 +118,12 @@ class UniProcExecutor(_OneAtATime):
 
     def check_health(self) -> None:
         pass
+
+    def send_transfers(self, transfers: tuple[Transfer, ...]) -> None:
+        pass  # rank 0 is the only rank
+
+    def poll_reports(self) -> list[TransferReport]:
+        return []
 
     def close(self) -> None:
         pass
@@ -345,6 +358,20 @@ class MultiProcExecutor(_OneAtATime):
             dead = [f"{r} (exit code {p.returncode})"
                     for r, p in enumerate(self.workers.procs, start=1) if p.poll() is not None]
             raise WorkerDiedError(f"worker(s) {', '.join(dead)} died")
+
+    def send_transfers(self, transfers: tuple[Transfer, ...]) -> None:
+        self.check_health()
+        try:
+            self.workers.send_transfers(transfers)
+        except Exception as exc:
+            self._failed(exc)
+
+    def poll_reports(self) -> list[TransferReport]:
+        self.check_health()
+        try:
+            return self.workers.poll_reports()
+        except Exception as exc:
+            self._failed(exc)
 
     def _fail(self) -> None:
         log.error("a parallel step failed; stopping the workers (engine pid %d)",

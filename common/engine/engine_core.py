@@ -32,12 +32,14 @@ from pdserve.common.distributed.executor import Executor, MultiProcExecutor, Uni
 from pdserve.common.distributed.layout import (SINGLE, RankPlace, TensorParallel,
                                               check_pp_split, check_tp_split, kv_head_range,
                                               pipeline_stage, vocab_shard)
+from pdserve.common.distributed.rank_kv import RankKVFactory
 from pdserve.common.distributed.kv_share import (by_tensor_rank, check_shareable_kv,
                                                 map_all_kv)
 from pdserve.common.engine.kv_connector import KVConnector
 from pdserve.common.engine.kv_transfer import NO_KV_TRANSFER, KVTransferParams
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.output_processor import OutputProcessor
+from pdserve.common.engine.rank_kv_link import RankKVLink
 from pdserve.common.engine.outputs import EngineStats, FinishReason, RequestOutput
 from pdserve.common.engine.rank_model import allocate_kv_caches, build_rank_model, rank_device
 from pdserve.common.kv.dtype import engine_kv_dtype, kv_bytes_per_token
@@ -62,10 +64,15 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None,
-                 connector_factory: Optional[Callable[["EngineCore"], KVConnector]] = None):
+                 connector_factory: Optional[Callable[["EngineCore"], KVConnector]] = None,
+                 rank_kv: Optional[Callable[["EngineCore"], RankKVFactory]] = None):
         """`connector_factory(engine)` builds the KV connector once the model and its KV
         geometry are known (it may read engine.model_config, engine.fingerprint, ...).
-        `loaded`: an already loaded model (tensor-parallel workers get its weights too)."""
+        `loaded`: an already loaded model (tensor-parallel workers get its weights too).
+        `rank_kv(engine)`: every rank moves its own heads' KV (`self.rank_kv`,
+        rank_kv_link.py; a connector's per_rank mode uses it); the factory the workers get,
+        built once the model's KV geometry is known (model_config, fingerprint, kv_dtype) and
+        before they spawn, so apart from the connector, which is built after them."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -79,9 +86,15 @@ class EngineCore:
         self.fingerprint = loaded.fingerprint
         check_tp_split(cfg, tp_size)
         check_pp_split(cfg.num_layers, config.parallel.pipeline_parallel_size)
+        if rank_kv is not None and config.parallel.pipeline_parallel_size > 1:
+            # a rank's head objects would hold only its stage's layers (rank_kv_factory.py)
+            raise NotImplementedError("per-rank KV transfers with pipeline stages")
         cc = config.cache
         # ranks on one host share its memory (the budget covers all of them); GPUs have their own
         self.kv_dtype = engine_kv_dtype(config)
+        # rank 0 reads every rank's KV only for a connector without per-rank transfers
+        share_kv = connector_factory is not None and rank_kv is None
+        # (per-rank transfers too: neither GPU ranks nor other cache dtypes are tested there)
         if connector_factory is not None and world > 1:  # before any process starts
             check_shareable_kv(config.device, self.kv_dtype)
         per_token = kv_bytes_per_token(cfg.kv_bytes_per_token, self.kv_dtype)
@@ -105,9 +118,11 @@ class EngineCore:
         self.max_model_len = min(config.scheduler.max_model_len, cfg.max_position_embeddings,
                                  plan.num_tokens)
         self.cpu_gemm = resolve_cpu_gemm(config.cpu_gemm, config.device)
+        factory = rank_kv(self) if rank_kv is not None else None
         self.executor = self._start_executor(loaded, plan.num_blocks, given, model,
-                                             connector_factory is not None)
+                                             share_kv, factory)
         self.model = self.executor.runner.model  # rank 0's shard (the whole model at T=1)
+        self.rank_kv = self._link_rank_kv(factory) if factory is not None else None
         self.pool = BlockPool(plan.num_blocks, cc.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, cc.block_size, self.fingerprint)
         self.connector = connector_factory(self) if connector_factory else None
@@ -188,8 +203,22 @@ class EngineCore:
         logger.info("warmed up in %d steps", steps)
         return steps
 
+    def _link_rank_kv(self, factory: RankKVFactory) -> RankKVLink:
+        """Rank 0's own RankKV over its caches (its heads), reporting to the link."""
+        par = self.config.parallel
+        link = RankKVLink(self.executor, par.world_size)
+        try:
+            link.attach(factory.build(self.executor.runner.kv_caches,
+                                      RankPlace(0, par.tensor_parallel_size,
+                                                par.pipeline_parallel_size), link.on_report))
+        except BaseException:
+            self.executor.close()
+            raise
+        return link
+
     def _start_executor(self, loaded: LoadedModel, num_blocks: int, given: bool,
-                        model=None, share_kv: bool = False) -> Executor:
+                        model=None, share_kv: bool = False,
+                        rank_kv: Optional[RankKVFactory] = None) -> Executor:
         """`model`: rank 0's model, already built (T=1, before the KV plan); `share_kv`: a KV
         connector will read every rank's heads (kv_share.py)."""
         config, cfg = self.config, self.model_config
@@ -207,7 +236,7 @@ class EngineCore:
                    sc.max_num_seqs * vocab_shard(cfg.vocab_size, tp_size))
         workers = WorkerGroup(config, num_blocks, slot,
                               (cfg, loaded.weights) if given else None,
-                              cfg if share_kv else None)
+                              cfg if share_kv else None, rank_kv)
         stage = pipeline_stage(cfg.num_layers, 0, pp_size)
         try:
             model = build_rank_model(config, cfg, loaded.weights,
@@ -368,10 +397,15 @@ class EngineCore:
 
     def _execute(self, sched) -> torch.Tensor:
         if self.connector is None:
-            return self.executor.execute_model(sched)
-        self.connector.begin_step(self.scheduler.connector_batch(sched))
-        logits = self.executor.execute_model(sched, self.connector.save_layer)
-        self.connector.end_step()
+            logits = self.executor.execute_model(sched)
+        else:
+            self.connector.begin_step(self.scheduler.connector_batch(sched))
+            logits = self.executor.execute_model(sched, self.connector.save_layer)
+            self.connector.end_step()
+        if sched.transfers:  # the workers started theirs after their forward
+            if self.rank_kv is None:
+                raise RuntimeError("a step carries KV transfers but the engine has no rank_kv")
+            self.rank_kv.after_forward(sched.transfers)
         return logits
 
     def _output(self, req: Request) -> RequestOutput:
@@ -385,6 +419,8 @@ class EngineCore:
         """Stop the KV connector and the tensor-parallel workers; idempotent."""
         if self.connector is not None:
             self.connector.close()
+        if self.rank_kv is not None:
+            self.rank_kv.close()
         self.executor.close()
 
     # -- introspection (EngineClient) -----------------------------------------------------

@@ -38,7 +38,7 @@ from pdserve.services.engine_host.async_engine import AsyncEngine
 from pdserve.services.engine_host.engine_telemetry import EngineTelemetry
 from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
 from pdserve.services.engine_host.health import InstanceInfo
-from pdserve.services.engine_host.kv_connector_factory import connector_factory
+from pdserve.services.engine_host.kv_connector_factory import connector_factory, rank_kv_factory
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,8 @@ def build_core(cfg: EngineServiceConfig):
 
     kv = cfg.kv_settings()
     return EngineCore(cfg.engine_config(),
-                      connector_factory=connector_factory(kv) if kv is not None else None)
+                      connector_factory=connector_factory(kv) if kv is not None else None,
+                      rank_kv=rank_kv_factory(kv) if kv is not None and kv.per_rank else None)
 
 
 async def start_engine_server(cfg: EngineServiceConfig, core,

@@ -44,6 +44,8 @@ class EngineServiceConfig:
     kv_load_timeout_s: float = 10.0  # a slower load is given up and recomputed
     kv_reuse: bool = True  # prefill also loads from the store, decode saves finished requests
     kv_layer_segments: int = 1  # stored objects per KV block, each a run of layers (> 1: streamed)
+    # every tensor-parallel rank moves its own KV heads (docs/parallelism.md, "Per-rank transfers")
+    kv_per_rank: bool = KVStoreSettings.per_rank
     kv_block_secret_file: str = ""  # keys/MACs of stored blocks (docs/kvstore-security.md)
     metrics_port: int = 0  # Prometheus /metrics over HTTP on `host`; 0 -> no endpoint
     otlp_endpoint: str = ""  # OTLP/gRPC trace collector; "" -> $OTEL_EXPORTER_OTLP_ENDPOINT
@@ -116,4 +118,5 @@ class EngineServiceConfig:
         return KVStoreSettings(self.kv_store, ROLE_TO_KV[self.role], self.kv_transport,
                                lease_s=self.kv_lease_s, load_timeout_s=self.kv_load_timeout_s,
                                block_secret_file=self.kv_block_secret_file, tls=self.tls,
-                               reuse=self.kv_reuse, layer_segments=self.kv_layer_segments)
+                               reuse=self.kv_reuse, layer_segments=self.kv_layer_segments,
+                               per_rank=self.kv_per_rank)

@@ -1,7 +1,10 @@
 """Builds an engine's KV connector over the KV store (services/kvstore) from service settings.
 
 Lifecycle: `connector_factory(settings)` returns the callable EngineCore calls once it knows
-its KV geometry. That call starts the connector's I/O thread and creates the store client ON
+its KV geometry. With `settings.per_rank` the engine also gets `rank_kv_factory(settings)`
+(every tensor-parallel rank opens its own store client from the same settings and moves its
+own KV heads; docs/parallelism.md, "Per-rank transfers") and the connector is the per-rank
+mode's (connector/rank_connector.py). That call starts the connector's I/O thread and creates the store client ON
 that thread's loop (grpc.aio channels bind to the loop they were made on); nothing connects
 yet, so a store that is down only costs recomputation later. `engine.close()` ->
 `connector.close()` closes the client on its loop, then stops the thread.
@@ -15,6 +18,8 @@ from typing import Callable
 from pdserve.connector.codec import BlockCodec
 from pdserve.connector.io_thread import IOThread
 from pdserve.connector.kvstore.client import KVStoreClient, StoreClientConfig
+from pdserve.connector.rank_connector import RankKVConnector
+from pdserve.connector.rank_kv_factory import RankTransfersFactory
 from pdserve.connector.store_connector import ConnectorConfig, StoreKVConnector
 from pdserve.services.common.tls import TlsConfig, open_channel
 
@@ -35,6 +40,7 @@ class KVStoreSettings:
     tls: TlsConfig = TlsConfig()  # this engine's certificate for the master's gRPC
     reuse: bool = True  # KV reuse (docs/kv-reuse.md): prefill loads, decode saves too
     layer_segments: int = ConnectorConfig.layer_segments  # objects per block (segments.py)
+    per_rank: bool = ConnectorConfig.per_rank  # every TP rank moves its own KV heads
 
     def __post_init__(self):
         host, sep, port = self.master_addr.rpartition(":")
@@ -49,7 +55,7 @@ class KVStoreSettings:
         return ConnectorConfig(role=self.role, lease_s=self.lease_s,
                                load_timeout_s=self.load_timeout_s,
                                max_inflight=self.max_inflight, reuse=self.reuse,
-                               layer_segments=self.layer_segments)
+                               layer_segments=self.layer_segments, per_rank=self.per_rank)
 
     def store_client_config(self) -> StoreClientConfig:
         """The store client's deadlines and block secret (docs/kvstore-security.md)."""
@@ -70,8 +76,8 @@ class KVStoreSettings:
                                          self.open_master_channel)
 
 
-class ServiceKVConnector(StoreKVConnector):
-    """StoreKVConnector that also owns its store client, so closing it closes the client."""
+class _OwnsStoreClient:
+    """A connector that also owns its store client, so closing it closes the client."""
 
     def close(self) -> None:
         try:
@@ -81,9 +87,34 @@ class ServiceKVConnector(StoreKVConnector):
         super().close()
 
 
+class ServiceKVConnector(_OwnsStoreClient, StoreKVConnector):
+    pass
+
+
+class ServiceRankKVConnector(_OwnsStoreClient, RankKVConnector):
+    pass
+
+
+def _codec(engine, mac_key: bytes = b"") -> BlockCodec:
+    cfg = engine.model_config
+    return BlockCodec(engine.fingerprint, cfg.num_layers, engine.config.cache.block_size,
+                      cfg.num_kv_heads, cfg.head_dim, dtype=engine.kv_dtype, mac_key=mac_key)
+
+
+def rank_kv_factory(settings: KVStoreSettings) -> Callable:
+    """EngineCore's `rank_kv`: the picklable factory every rank builds its transfers from
+    (the settings hold paths only; each rank reads the block secret itself)."""
+    def build(engine) -> RankTransfersFactory:
+        return RankTransfersFactory(settings, _codec(engine), settings.lease_s,
+                                    settings.load_timeout_s, settings.max_inflight)
+
+    return build
+
+
 def connector_factory(settings: KVStoreSettings) -> Callable:
     def build(engine) -> StoreKVConnector:
-        cfg = engine.model_config
+        if settings.per_rank and engine.rank_kv is None:
+            raise ValueError("per_rank needs the engine built with rank_kv_factory(settings)")
         io = IOThread()
 
         try:
@@ -91,9 +122,10 @@ def connector_factory(settings: KVStoreSettings) -> Callable:
         except BaseException:
             io.close()
             raise
-        codec = BlockCodec(engine.fingerprint, cfg.num_layers, engine.kv.block_size,
-                           cfg.num_kv_heads, cfg.head_dim, dtype=engine.kv_dtype,
-                           mac_key=client.mac_key)
+        codec = _codec(engine, client.mac_key)
+        if settings.per_rank:
+            return ServiceRankKVConnector(client, codec, settings.connector_config(),
+                                          engine.rank_kv, io)
         return ServiceKVConnector(client, codec, settings.connector_config(), io)
 
     return build

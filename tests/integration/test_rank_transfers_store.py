@@ -5,6 +5,7 @@ block secret from its file, as a worker process would), and puts / gets only its
 objects; a block one layout wrote is a store hit for another layout, read back exactly."""
 
 import pickle
+import random
 import time
 
 import pytest
@@ -12,59 +13,23 @@ import torch
 
 from pdserve.common.config import CacheConfig, EngineConfig, ParallelConfig
 from pdserve.common.distributed.executor import WorkerGroup
+from pdserve.common.engine.engine_core import EngineCore
 from pdserve.common.engine.kv_rank_messages import BlockRef, Transfer, TransferReport
+from pdserve.common.engine.rank_kv_tally import Completions
 from pdserve.common.models.registry import load_model
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.connector.codec import BlockCodec
 from pdserve.connector.head_objects import HeadObjects, RankHeads
 from pdserve.connector.io_thread import IOThread
 from pdserve.connector.rank_kv_factory import RankTransfersFactory
-from pdserve.connector.rank_transfers import Completions, RankTransfers
+from pdserve.connector.rank_transfers import RankTransfers
 from pdserve.services.engine_host.kv_connector_factory import KVStoreSettings
-from pdserve.services.kvstore.config import MasterConfig, NodeConfig
-from pdserve.services.kvstore.master_service import start_master
-from pdserve.services.kvstore.node import start_node
+from pdserve.tests.integration.rank_kv_cluster import cluster  # noqa: F401 - a fixture
 
-MiB = 1 << 20
 FP = "cd" * 32
 LAYERS, BLOCKS, BS, K, D = 2, 8, 4, 3, 16
 LAYOUTS = {1: (3,), 2: (2, 1), 3: (1, 1, 1)}
 KEYS = [bytes([i]) * 32 for i in range(1, 5)]
-
-
-@pytest.fixture
-def cluster(redis_url, tmp_path):
-    """(master address, block secret file): master and two nodes on their own loop thread."""
-    secret = tmp_path / "store.secret"
-    secret.write_text("cd" * 32)
-    secret.chmod(0o600)
-    blocks = tmp_path / "block.secret"
-    blocks.write_text("ef" * 32)
-    blocks.chmod(0o600)
-    io = IOThread("store-servers")
-
-    async def up():
-        master = await start_master(MasterConfig(port=0, redis_url=redis_url,
-                                                 namespace=f"t:{tmp_path.name}",
-                                                 store_secret_file=str(secret)))
-        addr = f"127.0.0.1:{master.port}"
-        nodes = [await start_node(NodeConfig(master_addr=addr, capacity=16 * MiB,
-                                             node_id=f"n{i}", transport="tcp",
-                                             store_secret_file=str(secret)))
-                 for i in range(2)]
-        return master, nodes
-
-    master, nodes = io.run(up(), 60)
-
-    async def down():
-        for n in nodes:
-            await n.stop()
-        await master.stop(0)
-
-    try:
-        yield f"127.0.0.1:{master.port}", str(blocks)
-    finally:
-        io.run(down(), 60)
-        io.close()
 
 
 class Engine:
@@ -199,3 +164,101 @@ def test_a_worker_process_moves_its_own_heads_and_only_those(cluster):
         group.close()
         src.close()
         dst.close()
+
+
+def _engine(tp, factory):
+    return EngineCore(EngineConfig(model="tiny", num_threads=1,
+                                   cache=CacheConfig(num_blocks=BLOCKS, block_size=BS),
+                                   parallel=ParallelConfig(tensor_parallel_size=tp,
+                                                           all_reduce="gloo")),
+                      rank_kv=lambda _: factory)
+
+
+def _finish(engine):
+    """Wait until every rank reported every transfer the engine started (its link's tally):
+    {(kind, seq): blocks every rank moved}."""
+    done, deadline = {}, time.monotonic() + 30
+    while engine.rank_kv.open:
+        assert time.monotonic() < deadline, "a rank never reported"
+        for f in engine.rank_kv.poll():
+            done[(f.transfer.kind, f.transfer.seq)] = f.blocks
+        time.sleep(0.01)
+    return done
+
+
+def _factory(cluster):
+    c = load_model("tiny").config
+    return RankTransfersFactory(settings(*cluster),
+                                BlockCodec(FP, c.num_layers, BS, c.num_kv_heads, c.head_dim))
+
+
+def _block(engine, block_id):
+    return torch.stack([c[:, block_id] for c in engine.executor.runner.kv_caches])
+
+
+def test_engines_of_two_layouts_move_kv_through_their_rank_links(cluster):
+    """EngineCore given a RankKVFactory: its workers got it at spawn and rank 0 built its
+    own. A TP=1 engine saves three blocks (its two heads), a TP=2 engine loads them (each rank
+    its head, rank 0's one and the worker's one, started with no step) and saves them again
+    under new keys, and the TP=1 engine loads those back exactly."""
+    factory = _factory(cluster)
+    one, two = _engine(1, factory), _engine(2, factory)
+    again = [bytes([0x40 + i]) * 32 for i in range(3)]
+    try:
+        assert two.executor.runner.kv_caches[0].shape[3] == 1  # rank 0 holds head 0 only
+        for cache in one.executor.runner.kv_caches:
+            cache.copy_(torch.randn_like(cache))
+        steps = [(one, transfer("save", [0, 1, 2])), (two, transfer("load", [3, 4, 5])),
+                 (two, transfer("save", [3, 4, 5], again)),
+                 (one, transfer("load", [5, 6, 7], again))]
+        for engine, t in steps:
+            engine.rank_kv.send((t,))
+            assert _finish(engine) == {(t.kind, 0): 3}
+        for i in range(3):
+            assert torch.equal(_block(one, 5 + i), _block(one, i))
+            assert torch.equal(_block(two, 3 + i), _block(one, i)[..., :1, :])
+    finally:
+        one.close()
+        two.close()
+
+
+def test_a_tp2_step_saves_what_its_forward_wrote_on_every_rank(cluster):
+    """A save carried by a TP=2 step's SchedulerOutput: each rank starts its part after the
+    step's forward, so the stored heads are the KV that forward wrote; a TP=1 engine loads
+    them and finds the KV it computes itself for the same prompt (up to the all-reduce's
+    rounding)."""
+    factory = _factory(cluster)
+    one, two = _engine(1, factory), _engine(2, factory)
+    prompt = random.Random(5).choices(range(one.model_config.vocab_size), k=3 * BS + 1)
+    keys = [bytes([0x60 + i]) * 32 for i in range(3)]
+    tables = {}
+
+    def run(engine, save):
+        schedule = engine.scheduler.schedule
+
+        def with_save():
+            out = schedule()
+            if out.chunks and engine not in tables:
+                tables[engine] = out.chunks[0].block_ids
+                if save:  # no scheduler orders transfers yet; it books steps by identity
+                    object.__setattr__(out, "transfers",
+                                       (transfer("save", tables[engine][:3], keys),))
+            return out
+        engine.scheduler.schedule = with_save
+        engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    try:
+        run(two, True)  # the reports wait in the link until polled
+        assert _finish(two) == {("save", 0): 3}
+        run(one, False)
+        free = [b for b in range(BLOCKS) if b not in tables[one]][:3]
+        load = transfer("load", free, keys)
+        one.rank_kv.send((load,))
+        assert _finish(one) == {("load", 0): 3}
+        for got, want in zip(free, tables[one][:3]):
+            assert torch.allclose(_block(one, got), _block(one, want), atol=1e-5)
+    finally:
+        one.close()
+        two.close()

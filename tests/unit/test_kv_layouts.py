@@ -70,6 +70,15 @@ def reference(tiny):
         core.close()
 
 
+def decode_rest(decode, first, stored):
+    """Decode every prompt after the first token its prefill sampled: {rid: the rest}."""
+    rest = run(decode, [(f"r{i}", p, GREEDY, first[f"r{i}"][0]) for i, p in enumerate(PROMPTS)])
+    stats = decode.connector.stats
+    # every prompt block loaded (decode may then save its answers' blocks too: KV reuse)
+    assert stats.blocks_loaded == stored and stats.load_failures == 0
+    return rest
+
+
 def _shm_files() -> set[str]:
     return set(glob.glob("/dev/shm/pdserve-kv*"))
 
@@ -88,11 +97,7 @@ def test_prefill_and_decode_in_different_layouts_equal_colocated_tp1(
     assert len(store.objects) == stored
     decode = engine(tiny, decode_tp, store, "consumer")
     try:
-        rest = run(decode, [(f"r{i}", p, GREEDY, first[f"r{i}"][0])
-                            for i, p in enumerate(PROMPTS)])
-        stats = decode.connector.stats
-        # every prompt block loaded (decode may then save its answers' blocks too: KV reuse)
-        assert stats.blocks_loaded == stored and stats.load_failures == 0
+        rest = decode_rest(decode, first, stored)
     finally:
         decode.close()
     assert {r: first[r] + rest[r] for r in rest} == reference

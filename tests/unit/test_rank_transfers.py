@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from pdserve.common.engine.kv_rank_messages import BlockRef, Transfer, TransferReport
+from pdserve.common.engine.rank_kv_tally import Completions
 from pdserve.connector.codec import BlockCodec
 from pdserve.connector.head_objects import HeadObjects, RankHeads
 from pdserve.connector.io_thread import IOThread
-from pdserve.connector.rank_transfers import Completions, RankTransfers
+from pdserve.connector.rank_transfers import RankTransfers
 from pdserve.connector.store import InMemoryBlockStore
 
 FP = "ab" * 32

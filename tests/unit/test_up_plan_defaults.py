@@ -46,3 +46,21 @@ def test_every_step_gets_tls_and_secrets_and_no_redis_secret_in_argv(tmp_path, m
             assert all("--registry" in s.child.argv for s in plan.steps[1:])
     finally:
         run.close()
+
+
+@pytest.mark.parametrize("given,passed", [((), None), (("--kv-per-rank",), "--kv-per-rank"),
+                                          (("--no-kv-per-rank",), "--no-kv-per-rank")])
+def test_the_per_rank_mode_reaches_every_engine_only_when_given(tmp_path, given, passed):
+    """Every engine sharing a store must use one mode: `up` passes the flag to all of them,
+    and when not given none gets it (each engine's config default applies)."""
+    args = up_args("--mode", "disagg", "--model", "tiny", "--num-blocks", "64", *given)
+    run = RunSecrets(args.insecure, args.tls_dir)
+    try:
+        plan = plan_stack(args, tmp_path, run.tls_dir, run.dir)
+        engines = [s.child.argv for s in plan.steps if s.child.name in ("prefill0", "decode0")]
+        assert len(engines) == 2
+        for argv in engines:
+            got = [w for w in argv if w.endswith("kv-per-rank")]
+            assert got == ([] if passed is None else [passed])
+    finally:
+        run.close()
