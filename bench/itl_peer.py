@@ -11,8 +11,10 @@ interpolated between the batches `offline_step` timed.
     python -m pdserve.bench.itl_peer OFFLINE_STEP_JSON RUN_DIR [RUN_DIR ...]
     python bench/itl_peer.py ...  (stdlib only: it runs beside any checkout under test)
 
-RUN_DIR holds one `pdserve bench serve` run (serve.json, as --out-dir writes it). Prints each
-run, then one JSON line.
+RUN_DIR holds one `pdserve bench serve` run (serve.json, as --out-dir writes it) and, when
+`bench/serve_step_trace.py --records-out RUN_DIR/step_trace.jsonl` ran beside it, the served
+engine's own decode-only steps: each over the offline step at its batch, so a slow step is
+told apart from a slow path after the step. Prints each run, then one JSON line.
 """
 
 from __future__ import annotations
@@ -72,6 +74,31 @@ def run_row(run: Mapping, steps_ms: Mapping[int, float]) -> dict:
             "output_tok_s": run["output_throughput"], "failed": run["failed"]}
 
 
+def engine_step_ratio(records: Sequence[Mapping], steps_ms: Mapping[int, float]) -> dict:
+    """The served engine's own decode-only steps (serve_step_trace --records-out lines: tokens,
+    sampled, wall_ms) over the offline step at each one's batch: medians of the ratio and of
+    the batch, and the fastest tenth's ratio. Empty when no decode-only step was caught."""
+    ratios, batches = [], []
+    for r in records:
+        if r["sampled"] and r["tokens"] == r["sampled"]:
+            ratios.append(r["wall_ms"] / step_at(steps_ms, r["sampled"]))
+            batches.append(r["sampled"])
+    if not ratios:
+        return {}
+    ratios.sort()
+    return {"engine_decode_steps": len(ratios),
+            "engine_decode_ratio_p50": statistics.median(ratios),
+            "engine_decode_ratio_p10": ratios[len(ratios) // 10],
+            "engine_decode_batch_p50": statistics.median(batches)}
+
+
+def _trace(run_dir: Path) -> list:
+    path = run_dir / "step_trace.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) < 2:
@@ -82,11 +109,17 @@ def main(argv=None) -> int:
     rows = []
     for d in args[1:]:
         row = run_row(json.loads((Path(d) / "serve.json").read_text()), steps)
+        row.update(engine_step_ratio(_trace(Path(d)), steps))
         rows.append(row)
         print(f"{d}: ITL p50 {row['itl_p50_ms']:.1f} ms at batch {row['batch']:g} = "
               f"{row['ratio']:.2f}x offline step {row['offline_step_ms']:.1f} ms; TTFT p50 "
               f"{row['ttft_p50_s']:.2f} s, {row['output_tok_s']:.1f} tok/s, "
               f"{row['failed']} failed", flush=True)
+        if "engine_decode_steps" in row:
+            print(f"  engine's own decode-only steps ({row['engine_decode_steps']} caught, "
+                  f"batch p50 {row['engine_decode_batch_p50']:g}): "
+                  f"{row['engine_decode_ratio_p50']:.2f}x the offline step at their batch "
+                  f"(fastest tenth {row['engine_decode_ratio_p10']:.2f}x)", flush=True)
     print(json.dumps({"bench": "itl_peer", "runs": rows,
                       "ratio_median": statistics.median(r["ratio"] for r in rows),
                       "itl_p50_ms_median": statistics.median(r["itl_p50_ms"] for r in rows),

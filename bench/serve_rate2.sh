@@ -8,6 +8,11 @@
 # median token rode (bench/itl_peer.py), then one JSON line with their median.
 # The code that runs is whatever `python -m pdserve` resolves to: PYTHONPATH picks a checkout
 # (itl_peer.py, stdlib only, runs from beside this script, so an older checkout can be timed).
+# Experiments (issue 19: is the served engine's own step slower than offline, and why):
+#   TRACE=1           bench/serve_step_trace.py beside each run (polls every TRACE_POLL_MS, 20),
+#                     so itl_peer.py also prints the engine's own decode-only steps vs offline
+#   ENGINE_ENV="K=V"  environment for the stack (e.g. GOMP_SPINCOUNT=10000)
+#   ROUTER_NICE=N     renice the router once ready; CLIENT_NICE=N  run the client under nice
 set -euo pipefail
 RATE=${1:-2}
 RUNS=${2:-3}
@@ -18,20 +23,34 @@ BATCHES=${BATCHES:-4 8 16 24 32 48 64}
 TEMP=${TEMP:-1.0}
 rm -rf "$OUT"; mkdir -p "$OUT"
 export OMP_NUM_THREADS=2
-$PY -m pdserve.cli up --mode colocated --num-threads 2 --cpus 0,1 --model smollm2 \
+env ${ENGINE_ENV:-} $PY -m pdserve.cli up --mode colocated --num-threads 2 --cpus 0,1 --model smollm2 \
   --weights fp32 --no-prefix-caching --insecure --port "$PORT" --grpc-port $((PORT + 1)) \
   --discovery static --log-dir "$OUT/logs" ${UP_ARGS:-} > "$OUT/up.log" 2>&1 &
 UP=$!
 trap 'kill -TERM $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
 for _ in $(seq 600); do grep -q "^ready" "$OUT/up.log" && break; sleep 0.5; done
 grep -q "^ready" "$OUT/up.log" || { cat "$OUT/up.log"; exit 1; }
+ENGINE=$(awk '$1 == "unified0" && $2 ~ /:/ {print $2; exit}' "$OUT/up.log")
+if [ -n "${ROUTER_NICE:-}" ]; then
+  renice -n "$ROUTER_NICE" -p $(pgrep -P "$UP" -f "router --model") > /dev/null
+fi
+CLIENT=(nice -n "${CLIENT_NICE:-0}" $PY -m pdserve.cli bench serve)
 W=(--workload random --num-prompts 64 --input-len 256 --output-len 128 --no-progress
    --temperature "$TEMP" --base-url "http://127.0.0.1:$PORT")
-$PY -m pdserve.cli bench serve "${W[@]}" --seed 99 --num-prompts 4 --rate inf \
+"${CLIENT[@]}" "${W[@]}" --seed 99 --num-prompts 4 --rate inf \
   --out-dir "$OUT/warm" > /dev/null
 for i in $(seq "$RUNS"); do
-  $PY -m pdserve.cli bench serve "${W[@]}" --seed "$i" --rate "$RATE" \
+  mkdir -p "$OUT/run$i"
+  TR=
+  if [ -n "${TRACE:-}" ]; then
+    $PY -m pdserve.bench.serve_step_trace --engine "$ENGINE" --after-first-step 120 \
+      --duration "${TRACE_S:-30}" --poll-ms "${TRACE_POLL_MS:-20}" \
+      --records-out "$OUT/run$i/step_trace.jsonl" > "$OUT/run$i.trace" 2>&1 &
+    TR=$!
+  fi
+  "${CLIENT[@]}" "${W[@]}" --seed "$i" --rate "$RATE" \
     --out-dir "$OUT/run$i" | tail -1 > "$OUT/run$i.json"
+  [ -z "$TR" ] || wait "$TR" || true
 done
 kill -TERM $UP; wait $UP || true
 trap - EXIT

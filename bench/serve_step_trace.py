@@ -1,7 +1,7 @@
 """Served step times one by one, split into decode-only steps and steps with prompt tokens.
 
     python -m pdserve.bench.serve_step_trace --engine HOST:PORT --duration 40 \
-        [--after-first-step 300] [--delay S] [--poll-ms 15]
+        [--after-first-step 300] [--delay S] [--poll-ms 15] [--records-out PATH]
 
 polls the engine's cumulative StepProfile (GetLoad) every --poll-ms; when exactly one step
 ran between two polls, that step's record is its delta: tokens computed, rows sampled and the
@@ -23,6 +23,7 @@ Polling costs the engine's event loop one GetLoad per poll (well under 1 ms each
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -129,12 +130,19 @@ def main(argv=None) -> int:
     ap.add_argument("--after-first-step", type=float, default=0.0, metavar="MAX_S")
     ap.add_argument("--poll-ms", type=float, default=15.0)
     ap.add_argument("--bin-width", type=int, default=8)
+    ap.add_argument("--records-out", default="", metavar="PATH",
+                    help="also write every caught step as a JSON line (bench/itl_peer.py "
+                         "reads it beside the run as step_trace.jsonl)")
     args = ap.parse_args(argv)
     if args.after_first_step > 0:
         serve_profile.wait_for_a_step(args, time.monotonic() + args.after_first_step)
     time.sleep(args.delay)
     snap = serve_profile.snapshot_fn(args.engine, args.tls_dir, args.engine_role)
-    s = summarize(collect(snap, args.duration, args.poll_ms / 1e3), args.bin_width)
+    records = collect(snap, args.duration, args.poll_ms / 1e3)
+    if args.records_out:
+        with open(args.records_out, "w") as f:
+            f.writelines(json.dumps(dataclasses.asdict(r)) + "\n" for r in records)
+    s = summarize(records, args.bin_width)
     print(f"{s['records']} single steps caught: {s['decode_only_steps']} decode-only "
           f"(p50 {s['decode_step_p50_ms']} ms), {s['prompt_steps']} with prompt tokens "
           f"(p50 {s['prompt_step_p50_ms']} ms, {s['prompt_tokens_per_prompt_step']} prompt "

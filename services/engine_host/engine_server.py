@@ -36,6 +36,7 @@ from pdserve.common.telemetry.engine_metrics import EngineMetrics
 from pdserve.common.telemetry.tracing import Tracing, setup_tracing
 from pdserve.services.engine_host.async_engine import AsyncEngine
 from pdserve.services.engine_host.engine_telemetry import EngineTelemetry
+from pdserve.services.engine_host.build_thread import run_on_exiting_thread
 from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
 from pdserve.services.engine_host.health import InstanceInfo
 from pdserve.services.engine_host.kv_connector_factory import connector_factory, rank_kv_factory
@@ -139,7 +140,9 @@ def _engine_services(role: str) -> tuple[str, ...]:
 
 async def run_engine_server(cfg: EngineServiceConfig) -> None:
     tracing = setup_tracing(f"pdserve-{cfg.role}", otlp_endpoint=cfg.otlp_endpoint or None)
-    core = build_core(cfg)
+    apply_process_settings(cfg)  # on this thread first: threads started later inherit the pin
+    # the model load and profiling forward leave no OpenMP team behind (build_thread.py)
+    core = run_on_exiting_thread(build_core, cfg)
     running = await start_engine_server(cfg, core, tracing)
     if not await running.engine.wait_warmed_up():
         log.error("warm-up failed; the engine is not serving")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pdserve.bench.itl_peer import run_row, step_at, token_weighted_batch
+from pdserve.bench.itl_peer import engine_step_ratio, run_row, step_at, token_weighted_batch
 
 
 def req(start, ttft, gaps, ok=True):
@@ -52,3 +52,36 @@ def test_cli_prints_each_run_and_the_median_ratio(tmp_path):
     assert line["ratio_median"] == pytest.approx(1.2)  # 60 ms over 50 ms at batch 1
     assert run_row(json.loads((tmp_path / "run2" / "serve.json").read_text()),
                    {1: 50.0})["ratio"] == pytest.approx(2.0)
+
+
+def test_engine_step_ratio_reads_decode_only_steps_at_their_batch():
+    steps = {8: 40.0, 16: 60.0}
+    records = [{"tokens": 8, "sampled": 8, "wall_ms": 44.0},  # 1.1x at batch 8
+               {"tokens": 16, "sampled": 16, "wall_ms": 90.0},  # 1.5x at batch 16
+               {"tokens": 12, "sampled": 12, "wall_ms": 50.0},  # 1.0x at batch 12 (50 ms)
+               {"tokens": 300, "sampled": 9, "wall_ms": 900.0},  # carries a prompt: not read
+               {"tokens": 0, "sampled": 0, "wall_ms": 1.0}]
+    r = engine_step_ratio(records, steps)
+    assert r["engine_decode_steps"] == 3
+    assert r["engine_decode_ratio_p50"] == pytest.approx(1.1)
+    assert r["engine_decode_ratio_p10"] == pytest.approx(1.0)
+    assert r["engine_decode_batch_p50"] == 12
+    assert engine_step_ratio(records[3:], steps) == {}
+
+
+def test_cli_prints_the_engine_steps_when_a_trace_lies_beside_the_run(tmp_path):
+    (tmp_path / "off.json").write_text(json.dumps({"decode_step_ms": {"1": 50.0, "4": 80.0}}))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "serve.json").write_text(json.dumps({
+        "per_request": [req(0.0, 1.0, [1.0] * 3)], "itl_s": {"p50": 0.06},
+        "ttft_s": {"p50": 1.0}, "output_throughput": 10.0, "failed": 0}))
+    (run / "step_trace.jsonl").write_text(
+        json.dumps({"tokens": 1, "sampled": 1, "wall_ms": 55.0}) + "\n")
+    out = subprocess.run([sys.executable, "-m", "pdserve.bench.itl_peer",
+                          str(tmp_path / "off.json"), str(run)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "1.10x the offline step" in out.stdout
+    row = json.loads(out.stdout.strip().splitlines()[-1])["runs"][0]
+    assert row["engine_decode_ratio_p50"] == pytest.approx(1.1)
