@@ -12,9 +12,9 @@ sends them to every rank as one message with no step, which each worker runs aft
 forward of the step (its socket is in order); a load is sent when its blocks are
 allocated; `get_finished` polls the link. The link is closed by the engine.
 
-Why the saves go after the step and not in it (`SchedulerOutput.transfers`, which the
-workers also run): the scheduler books its steps by identity and builds them before the
-connector sees the batch; one small extra message per saving step is the cost.
+Why the saves go after the step and not in it: the scheduler books its steps by identity
+and builds them before the connector sees the batch; one small extra message per saving
+step is the cost (each worker reads it after its own forward of the step: socket order).
 """
 
 from __future__ import annotations

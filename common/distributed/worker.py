@@ -8,9 +8,9 @@ Lifecycle, driven by rank 0 over a socket (`python -m pdserve.common.distributed
    it with the other ranks); None, or the socket closing (rank 0 died), ends the loop. A
    pipeline stage after the first first receives the previous stage's hidden states, and
    hands its own on (pipeline.py); the last stage's tensor rank 0 sends rank 0 the logits.
-   With `spec.rank_kv` the rank also starts the step's per-rank KV transfers after its
-   forward (a message with no chunks carries only transfers) and sends ("kv", report) for
-   each as it ends, from the transfers' I/O thread (rank_kv.py).
+   With `spec.rank_kv` a message with no chunks carries per-rank KV transfers instead: the
+   rank starts them (after the forwards of the steps before it, in socket order) and sends
+   ("kv", report) for each as it ends, from the transfers' I/O thread (rank_kv.py).
 A failure in a collective (a peer died) ends the process with an error; nothing is retried.
 A watchdog thread ends the process when rank 0 is gone (its parent changes), whatever the
 main thread is blocked in.
@@ -203,8 +203,6 @@ def _loop(conn, runner, link, kv=None) -> None:
             link.send_hidden(result)  # [T, hidden]
         elif send_logits:
             link.send_logits(result)  # [N, vocab] (N = 0: nothing, or the end-of-step mark)
-        for t in out.transfers:  # this step wrote the blocks it saves
-            kv.start(t)
 
 
 if __name__ == "__main__":

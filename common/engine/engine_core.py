@@ -397,15 +397,10 @@ class EngineCore:
 
     def _execute(self, sched) -> torch.Tensor:
         if self.connector is None:
-            logits = self.executor.execute_model(sched)
-        else:
-            self.connector.begin_step(self.scheduler.connector_batch(sched))
-            logits = self.executor.execute_model(sched, self.connector.save_layer)
-            self.connector.end_step()
-        if sched.transfers:  # the workers started theirs after their forward
-            if self.rank_kv is None:
-                raise RuntimeError("a step carries KV transfers but the engine has no rank_kv")
-            self.rank_kv.after_forward(sched.transfers)
+            return self.executor.execute_model(sched)
+        self.connector.begin_step(self.scheduler.connector_batch(sched))
+        logits = self.executor.execute_model(sched, self.connector.save_layer)
+        self.connector.end_step()
         return logits
 
     def _output(self, req: Request) -> RequestOutput:

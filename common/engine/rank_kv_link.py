@@ -5,9 +5,9 @@ to move is the connector's to decide (its per-rank mode); this moves the orders 
 reports, and is in common because EngineCore builds it (common never imports connector).
 
 Lifecycle: built by `EngineCore` when it is given a `RankKVFactory` (the same factory the
-workers got at spawn) -> `send(transfers)` for transfers that start with no step (every rank
-now) or `after_forward(transfers)` for those a step's `SchedulerOutput` carried (the workers
-start theirs from the step's message; rank 0 after its own forward) -> `poll()` between steps
+workers got at spawn) -> `send(transfers)` starts transfers on every rank (a message with no
+step; a save is sent after the forward that wrote its blocks, and each worker reads its socket
+in order, so it runs the save after its own forward of that step) -> `poll()` between steps
 for the finished ones -> `close()` before the executor closes.
 """
 
@@ -56,13 +56,8 @@ class RankKVLink:
             return
         self._expect(transfers)
         self.executor.send_transfers(transfers)
-        self._start_own(transfers)
-
-    def after_forward(self, transfers: tuple[Transfer, ...]) -> None:
-        """Start rank 0's part of a step's transfers (its forward wrote the saved blocks;
-        the workers got them in the step's message)."""
-        self._expect(transfers)
-        self._start_own(transfers)
+        for t in transfers:
+            self.own.start(t)
 
     def _expect(self, transfers: tuple[Transfer, ...]) -> None:
         if self.own is None:
@@ -74,10 +69,6 @@ class RankKVLink:
         for k, t in zip(keys, transfers):
             self.tally.expect(t)
             self._open[k] = t
-
-    def _start_own(self, transfers: tuple[Transfer, ...]) -> None:
-        for t in transfers:
-            self.own.start(t)
 
     def poll(self) -> list[Finished]:
         """The transfers every rank has now reported, without waiting. A report the tally

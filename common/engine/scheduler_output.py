@@ -42,9 +42,13 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...] = ()
     preempted: tuple[str, ...] = ()  # request ids preempted (blocks freed) this step
-    # per-rank KV transfers every rank starts after this step's forward (a message with no
-    # chunks carries only these; docs/parallelism.md, "Per-rank transfers")
+    # per-rank KV transfers every rank starts now: only a message with no chunks carries them
+    # (RankKVLink.send; docs/parallelism.md, "Per-rank transfers")
     transfers: tuple[Transfer, ...] = ()
+
+    def __post_init__(self):
+        if self.transfers and self.chunks:
+            raise ValueError("KV transfers travel in a message of their own, not in a step")
 
     @property
     def num_tokens(self) -> int:

@@ -223,8 +223,9 @@ def test_engines_of_two_layouts_move_kv_through_their_rank_links(cluster):
 
 
 def test_a_tp2_step_saves_what_its_forward_wrote_on_every_rank(cluster):
-    """A save carried by a TP=2 step's SchedulerOutput: each rank starts its part after the
-    step's forward, so the stored heads are the KV that forward wrote; a TP=1 engine loads
+    """A save sent as the connector's per-rank mode sends it, right after rank 0's forward of
+    the step that wrote the blocks: each worker reads it after its own forward of that step
+    (socket order), so the stored heads are the KV that forward wrote; a TP=1 engine loads
     them and finds the KV it computes itself for the same prompt (up to the all-reduce's
     rounding)."""
     factory = _factory(cluster)
@@ -234,17 +235,16 @@ def test_a_tp2_step_saves_what_its_forward_wrote_on_every_rank(cluster):
     tables = {}
 
     def run(engine, save):
-        schedule = engine.scheduler.schedule
+        execute = engine._execute
 
-        def with_save():
-            out = schedule()
-            if out.chunks and engine not in tables:
-                tables[engine] = out.chunks[0].block_ids
-                if save:  # no scheduler orders transfers yet; it books steps by identity
-                    object.__setattr__(out, "transfers",
-                                       (transfer("save", tables[engine][:3], keys),))
-            return out
-        engine.scheduler.schedule = with_save
+        def then_save(sched):  # as RankKVConnector.end_step does, after the forward
+            logits = execute(sched)
+            if sched.chunks and engine not in tables:
+                tables[engine] = sched.chunks[0].block_ids
+                if save:
+                    engine.rank_kv.send((transfer("save", tables[engine][:3], keys),))
+            return logits
+        engine._execute = then_save
         engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0))
         while engine.has_unfinished_requests():
             engine.step()

@@ -10,6 +10,7 @@ from pdserve.common.distributed.executor import WorkerDiedError
 from pdserve.common.engine.engine_core import EngineCore
 from pdserve.common.engine.kv_rank_messages import BlockRef, Transfer, TransferReport
 from pdserve.common.engine.rank_kv_link import Finished, RankKVLink
+from pdserve.common.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 
 class FakeExecutor:
@@ -55,12 +56,11 @@ def test_send_orders_the_workers_first_then_starts_rank_0s_part():
     assert len(log) == 3 and link.open == 2
 
 
-def test_after_forward_starts_only_rank_0s_part():
-    log = []
-    link = _link(log)
-    link.after_forward((_transfer("save"),))
-    assert log == [("rank0", _transfer("save"))]
-    assert link.open == 1
+def test_transfers_travel_in_a_message_of_their_own():
+    chunk = ScheduledChunk("r", (1, 2), 0, (0,), True)
+    with pytest.raises(ValueError, match="message of their own"):
+        SchedulerOutput(chunks=(chunk,), transfers=(_transfer("save"),))
+    assert SchedulerOutput(transfers=(_transfer("save"),)).num_tokens == 0
 
 
 def test_a_transfer_is_finished_when_every_rank_reported_it_with_the_fewest_blocks():
@@ -100,7 +100,7 @@ def test_no_rank_0_transfers_refuses_to_start_and_close_is_idempotent():
     log = []
     link = RankKVLink(FakeExecutor(log), 1)
     with pytest.raises(RuntimeError):
-        link.after_forward((_transfer("save"),))
+        link.send((_transfer("save"),))
     own = FakeRankKV(log)
     link.attach(own)
     link.close()
