@@ -7,6 +7,9 @@ loop and joins the thread. The engine thread never awaits: it submits and later 
 `offload(fn, *args)` (from a coroutine on the loop) runs a CPU-bound call (checking loaded
 blocks' MACs) on one worker thread, so the loop can answer other I/O between its GIL-holding
 pieces. One worker: calls run in submission order, and never more than one core goes to them.
+
+Both threads run torch serially (serial_torch.py): a parallel op there would give the engine
+process a second OpenMP team and slow every forward.
 """
 
 from __future__ import annotations
@@ -16,17 +19,21 @@ import concurrent.futures
 import threading
 from typing import Callable, TypeVar
 
+from pdserve.connector.serial_torch import serial_torch_on_this_thread
+
 T = TypeVar("T")
 
 
 class IOThread:
     def __init__(self, name: str = "kv-connector-io"):
         self.loop = asyncio.new_event_loop()
-        self._cpu = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name + "-cpu")
+        self._cpu = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=name + "-cpu", initializer=serial_torch_on_this_thread)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        serial_torch_on_this_thread()
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
