@@ -2,27 +2,16 @@
 op on the I/O thread or its worker makes no OpenMP team (no thread beyond the two), while the
 process-wide count, and a thread started afterwards, keep 2 threads and their team."""
 
-import os
 import threading
-import time
 
 import pytest
 import torch
 
 from pdserve.connector.io_thread import IOThread
 from pdserve.connector.serial_torch import serial_torch_on_this_thread
-
-
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-def _settle(expected: int, timeout_s: float = 5.0) -> int:
-    """The thread count once it reaches `expected` (starting/exiting threads take a moment)."""
-    end = time.monotonic() + timeout_s
-    while _threads() != expected and time.monotonic() < end:
-        time.sleep(0.01)
-    return _threads()
+from tests.unit.thread_helpers import settle as _settle
+from tests.unit.thread_helpers import threads as _threads
+from tests.unit.thread_helpers import torch_threads
 
 
 def _parallel_op() -> int:
@@ -37,10 +26,8 @@ async def _on_loop() -> int:
 
 @pytest.fixture
 def two_torch_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)  # a team of 2 even on 1 core: one worker thread
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(2):
+        yield
 
 
 def test_io_thread_and_its_worker_make_no_openmp_team(two_torch_threads):

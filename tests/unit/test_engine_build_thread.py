@@ -1,26 +1,15 @@
 """services/engine_host/build_thread.py: the build runs on a thread that exits, and the OpenMP
 team a parallel torch op made there goes with it (a live thread keeps its team's worker)."""
 
-import os
 import threading
-import time
 
 import pytest
 import torch
 
 from pdserve.services.engine_host.build_thread import run_on_exiting_thread
-
-
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-def _settle(expected: int, timeout_s: float = 5.0) -> int:
-    """The thread count once it reaches `expected` (exiting threads take a moment)."""
-    end = time.monotonic() + timeout_s
-    while _threads() != expected and time.monotonic() < end:
-        time.sleep(0.01)
-    return _threads()
+from tests.unit.thread_helpers import settle as _settle
+from tests.unit.thread_helpers import threads as _threads
+from tests.unit.thread_helpers import torch_threads
 
 
 def _parallel_op() -> float:
@@ -29,10 +18,8 @@ def _parallel_op() -> float:
 
 @pytest.fixture
 def two_torch_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)  # a team of 2 even on 1 core: one worker thread
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(2):
+        yield
 
 
 def test_returns_the_result_on_another_thread_and_raises_its_error():
