@@ -8,6 +8,8 @@
 # The offline peer runs at the threads of the instance that decodes: colocated 2 threads on
 # both cores; disagg 1 thread pinned to the decode core (the decode instance's share).
 # OFFLINE=0 skips the offline part (an A/B of two checkouts shares one offline peer).
+# SIDE_CPUS=0 pins the stack's other processes (redis, KV store, router) and the client to
+# those cores once the stack is up (default: unpinned, they run where the scheduler puts them).
 set -euo pipefail
 MODE=${1:-colocated}
 OUT=${2:-/tmp/pdserve-serve-matrix-$MODE}
@@ -33,30 +35,42 @@ grep -q "^ready" "$OUT/up.log" || { cat "$OUT/up.log"; exit 1; }
 grep -E "memory budget|KV cache" "$OUT/up.log" || true
 ENGINE=$(grep -E "^  (unified|decode) " "$OUT/up.log" | head -1 | awk '{print $2}')
 ROUTER_PID=$(pgrep -f "serve router .*--port $PORT " | head -1 || true)
+SIDE=()
+if [ -n "${SIDE_CPUS:-}" ]; then
+  SIDE=(taskset -c "$SIDE_CPUS")
+  for name in redis kvstore router; do
+    pid=$($PY -c "import json,sys; print(json.load(open(sys.argv[1])).get('$name', ''))" \
+      "$OUT/logs/services.json")
+    for p in $pid $(pgrep -P "${pid:-0}" || true); do  # every thread, and any child
+      taskset -a -p -c "$SIDE_CPUS" "$p" > /dev/null
+    done
+  done
+fi
 W=(--workload random --num-prompts 64 --input-len 256 --output-len 128 --no-progress
    --base-url "http://127.0.0.1:$PORT")
 # Every run its own prompts (seed): disagg's KV store keeps what prefill saved, so a prompt
 # seen before is a store hit and skips prefill (--no-prefix-caching is the engines' own cache).
 SEED=0
-$PDS bench serve "${W[@]}" --seed 100 --num-prompts 4 --rate inf --out-dir "$OUT/warm" > /dev/null
+"${SIDE[@]}" $PDS bench serve "${W[@]}" --seed 100 --num-prompts 4 --rate inf \
+  --out-dir "$OUT/warm" > /dev/null
 for T in 1.0 0.0; do
   for RATE in 2 inf; do
     if [ "$T" = 1.0 ] && [ "$RATE" = inf ]; then
       # after the client's start and the prompts' prefill (all arrive at once): a
       # decode-heavy window; the router's CPU per generated token beside the engine's steps
-      $PY -m pdserve.bench.serve_profile --engine "$ENGINE" --after-first-step 600 \
+      "${SIDE[@]}" $PY -m pdserve.bench.serve_profile --engine "$ENGINE" --after-first-step 600 \
         --delay "${PROFILE_DELAY:-30}" \
         --duration "${PROFILE_S:-30}" ${ROUTER_PID:+--router-pid "$ROUTER_PID"} \
         > "$OUT/profile.txt" 2>&1 &
       PROF=$!
     fi
     if [ "$T" = 1.0 ] && [ "$RATE" = 2 ]; then
-      $PY -m pdserve.bench.serve_step_trace --engine "$ENGINE" --after-first-step 600 \
+      "${SIDE[@]}" $PY -m pdserve.bench.serve_step_trace --engine "$ENGINE" --after-first-step 600 \
         --delay 2 --duration "${TRACE_S:-30}" --poll-ms 40 > "$OUT/trace.txt" 2>&1 &
       TRACE=$!
     fi
     SEED=$((SEED + 1))
-    $PDS bench serve "${W[@]}" --seed "$SEED" --rate "$RATE" --temperature "$T" \
+    "${SIDE[@]}" $PDS bench serve "${W[@]}" --seed "$SEED" --rate "$RATE" --temperature "$T" \
       --out-dir "$OUT/serve-t$T-r$RATE" | tail -1 | sed "s/^/serve t=$T rate=$RATE /"
   done
 done
