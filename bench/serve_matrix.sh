@@ -18,13 +18,8 @@ if [ "$MODE" = colocated ]; then
 else
   STACK=(--mode disagg --prefill-cpus 0 --decode-cpus 1)
 fi
-$PDS up "${STACK[@]}" --model smollm2 --weights fp32 --no-prefix-caching --insecure \
-  --port "$PORT" --grpc-port $((PORT + 1)) --discovery static --log-dir "$OUT/logs" \
-  > "$OUT/up.log" 2>&1 &
-UP=$!
-trap 'kill -TERM $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
-for _ in $(seq 600); do grep -q "^ready" "$OUT/up.log" && break; sleep 0.5; done
-grep -q "^ready" "$OUT/up.log" || { cat "$OUT/up.log"; exit 1; }
+source "$(dirname "$0")/stack_up.sh"
+stack_up "$OUT" "$PORT" $PDS up "${STACK[@]}" --model smollm2 --weights fp32 --no-prefix-caching
 grep -E "memory budget|KV cache" "$OUT/up.log" || true
 ENGINE=$(grep -E "^  (unified|decode) " "$OUT/up.log" | head -1 | awk '{print $2}')
 ROUTER_PID=$(pgrep -f "serve router .*--port $PORT " | head -1 || true)
@@ -55,8 +50,7 @@ wait "${PROF:-}" 2>/dev/null || true
 wait "${TRACE:-}" 2>/dev/null || true
 echo "profile:"; cat "$OUT/profile.txt"
 echo "steps at rate 2:"; cat "$OUT/trace.txt"
-kill -TERM $UP; wait $UP || true
-trap - EXIT
+stack_down
 for T in 0.0 1.0; do
   $PDS bench offline --model smollm2 --weights fp32 --num-prompts 64 --input-len 256 \
     --output-len 128 --num-threads 2 --skip-hf --repeats 1 --temperature "$T" \

@@ -23,13 +23,9 @@ BATCHES=${BATCHES:-4 8 16 24 32 48 64}
 TEMP=${TEMP:-1.0}
 rm -rf "$OUT"; mkdir -p "$OUT"
 export OMP_NUM_THREADS=2
-env ${ENGINE_ENV:-} $PY -m pdserve.cli up --mode colocated --num-threads 2 --cpus 0,1 --model smollm2 \
-  --weights fp32 --no-prefix-caching --insecure --port "$PORT" --grpc-port $((PORT + 1)) \
-  --discovery static --log-dir "$OUT/logs" ${UP_ARGS:-} > "$OUT/up.log" 2>&1 &
-UP=$!
-trap 'kill -TERM $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
-for _ in $(seq 600); do grep -q "^ready" "$OUT/up.log" && break; sleep 0.5; done
-grep -q "^ready" "$OUT/up.log" || { cat "$OUT/up.log"; exit 1; }
+source "$(dirname "$0")/stack_up.sh"
+stack_up "$OUT" "$PORT" env ${ENGINE_ENV:-} $PY -m pdserve.cli up --mode colocated \
+  --num-threads 2 --cpus 0,1 --model smollm2 --weights fp32 --no-prefix-caching ${UP_ARGS:-}
 ENGINE=$(awk '$1 == "unified0" && $2 ~ /:/ {print $2; exit}' "$OUT/up.log")
 if [ -n "${ROUTER_NICE:-}" ]; then
   renice -n "$ROUTER_NICE" -p $(pgrep -P "$UP" -f "router --model") > /dev/null
@@ -52,8 +48,7 @@ for i in $(seq "$RUNS"); do
     --out-dir "$OUT/run$i" | tail -1 > "$OUT/run$i.json"
   [ -z "$TR" ] || wait "$TR" || true
 done
-kill -TERM $UP; wait $UP || true
-trap - EXIT
+stack_down
 $PY -m pdserve.bench.offline_step --weights fp32 --num-threads 2 --no-prefix-caching \
   --temperature "$TEMP" --batch $BATCHES | tail -1 > "$OUT/offline_step.json"
 RUN_DIRS=()
