@@ -29,11 +29,10 @@ $PDS bench serve "${W[@]}" --num-prompts 4 --rate inf --out-dir "$OUT/warm" > /d
 for T in 1.0 0.0; do
   for RATE in 2 inf; do
     if [ "$T" = 1.0 ] && [ "$RATE" = inf ]; then
-      # after the client's start and the prompts' prefill (all arrive at once): a
-      # decode-heavy window; the router's CPU per generated token beside the engine's steps
-      $PY -m pdserve.bench.serve_profile --engine "$ENGINE" --after-first-step 600 \
-        --delay "${PROFILE_DELAY:-30}" \
-        --duration "${PROFILE_S:-30}" ${ROUTER_PID:+--router-pid "$ROUTER_PID"} \
+      # from the first decode-only steps (past the prompts' prefill: all arrive at once)
+      # to the run's end; the router's CPU per generated token beside the engine's steps
+      $PY -m pdserve.bench.serve_profile --engine "$ENGINE" --decode-window 600 \
+        ${ROUTER_PID:+--router-pid "$ROUTER_PID"} \
         > "$OUT/profile.txt" 2>&1 &
       PROF=$!
     fi
