@@ -8,13 +8,15 @@ between their first token and their end; the median of that count over all such 
 batch the median token rode (the token-weighted batch). The offline step there is linearly
 interpolated between the batches `offline_step` timed.
 
-    python -m pdserve.bench.itl_peer OFFLINE_STEP_JSON RUN_DIR [RUN_DIR ...]
+    python -m pdserve.bench.itl_peer OFFLINE_STEP_JSON [...] RUN_DIR [RUN_DIR ...]
     python bench/itl_peer.py ...  (stdlib only: it runs beside any checkout under test)
 
 RUN_DIR holds one `pdserve bench serve` run (serve.json, as --out-dir writes it) and, when
 `bench/serve_step_trace.py --records-out RUN_DIR/step_trace.jsonl` ran beside it, the served
 engine's own decode-only steps: each over the offline step at its batch, so a slow step is
-told apart from a slow path after the step. Prints each run, then one JSON line.
+told apart from a slow path after the step. Several OFFLINE_STEP_JSON files (the arguments
+that are files; the run folders are not): the offline step at each batch is their median.
+Prints each run, then one JSON line.
 """
 
 from __future__ import annotations
@@ -99,15 +101,28 @@ def _trace(run_dir: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def median_steps(peers: Sequence[Mapping]) -> dict[int, float]:
+    """Per batch, the median of the offline steps several `offline_step` runs timed (e.g.
+    one before and one after the served runs: one run alone varied by a tenth from one to
+    the next); only batches every run timed."""
+    tables = [{int(b): float(ms) for b, ms in p["decode_step_ms"].items()} for p in peers]
+    common = set.intersection(*(set(t) for t in tables)) if tables else set()
+    return {b: statistics.median(t[b] for t in tables) for b in sorted(common)}
+
+
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) < 2:
         print(__doc__, file=sys.stderr)
         return 2
-    offline = json.loads(Path(args[0]).read_text())
-    steps = {int(b): float(ms) for b, ms in offline["decode_step_ms"].items()}
+    peers = [json.loads(Path(a).read_text()) for a in args if Path(a).is_file()]
+    if not peers:
+        print("no offline_step JSON given", file=sys.stderr)
+        return 2
+    offline = peers[0]
+    steps = median_steps(peers)
     rows = []
-    for d in args[1:]:
+    for d in [a for a in args if not Path(a).is_file()]:
         row = run_row(json.loads((Path(d) / "serve.json").read_text()), steps)
         row.update(engine_step_ratio(_trace(Path(d)), steps))
         rows.append(row)

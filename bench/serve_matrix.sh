@@ -25,13 +25,8 @@ else
   STACK=(--mode disagg --prefill-cpus 0 --decode-cpus 1)
   PEER=(taskset -c 1); PEER_THREADS=1
 fi
-$PDS up "${STACK[@]}" --model smollm2 --weights fp32 --no-prefix-caching --insecure \
-  --port "$PORT" --grpc-port $((PORT + 1)) --discovery static --log-dir "$OUT/logs" \
-  > "$OUT/up.log" 2>&1 &
-UP=$!
-trap 'kill -TERM $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
-for _ in $(seq 600); do grep -q "^ready" "$OUT/up.log" && break; sleep 0.5; done
-grep -q "^ready" "$OUT/up.log" || { cat "$OUT/up.log"; exit 1; }
+source "$(dirname "$0")/stack_up.sh"
+stack_up "$OUT" "$PORT" $PDS up "${STACK[@]}" --model smollm2 --weights fp32 --no-prefix-caching
 grep -E "memory budget|KV cache" "$OUT/up.log" || true
 ENGINE=$(grep -E "^  (unified|decode) " "$OUT/up.log" | head -1 | awk '{print $2}')
 ROUTER_PID=$(pgrep -f "serve router .*--port $PORT " | head -1 || true)
@@ -56,11 +51,10 @@ SEED=0
 for T in 1.0 0.0; do
   for RATE in 2 inf; do
     if [ "$T" = 1.0 ] && [ "$RATE" = inf ]; then
-      # after the client's start and the prompts' prefill (all arrive at once): a
-      # decode-heavy window; the router's CPU per generated token beside the engine's steps
-      "${SIDE[@]}" $PY -m pdserve.bench.serve_profile --engine "$ENGINE" --after-first-step 600 \
-        --delay "${PROFILE_DELAY:-30}" \
-        --duration "${PROFILE_S:-30}" ${ROUTER_PID:+--router-pid "$ROUTER_PID"} \
+      # from the first decode-only steps (past the prompts' prefill: all arrive at once)
+      # to the run's end; the router's CPU per generated token beside the engine's steps
+      "${SIDE[@]}" $PY -m pdserve.bench.serve_profile --engine "$ENGINE" --decode-window 600 \
+        ${ROUTER_PID:+--router-pid "$ROUTER_PID"} \
         > "$OUT/profile.txt" 2>&1 &
       PROF=$!
     fi
@@ -78,8 +72,7 @@ wait "${PROF:-}" 2>/dev/null || true
 wait "${TRACE:-}" 2>/dev/null || true
 echo "profile:"; cat "$OUT/profile.txt"
 echo "steps at rate 2:"; cat "$OUT/trace.txt"
-kill -TERM $UP; wait $UP || true
-trap - EXIT
+stack_down
 [ "${OFFLINE:-1}" = 0 ] && exit 0
 for T in 0.0 1.0; do
   "${PEER[@]}" $PDS bench offline --model smollm2 --weights fp32 --num-prompts 64 \

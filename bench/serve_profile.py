@@ -2,13 +2,15 @@
 
     python -m pdserve.bench.serve_profile --engine HOST:PORT [--tls-dir DIR] --duration 60 \
         [--delay S] [--router-pid PID]
+    python -m pdserve.bench.serve_profile --engine HOST:PORT --decode-window 600 ...
 
 reads the engine's cumulative StepProfile (GetLoad) before and after the window (run a load,
 e.g. `pdserve bench serve`, against the stack meanwhile), and prints per-step milliseconds of
 each phase (common/engine/step_profile.py), the CPU time per step of the engine thread, of the
 service's event loop thread and of the whole engine process (what competes with torch's
 threads for the cores), and, with --router-pid (a router on this host), the router's CPU time
-per generated token; then one JSON line. `delta_breakdown` is the pure arithmetic, shared with
+per generated token; then one JSON line. --decode-window finds the window itself: a run's
+decode-only steps to its end (bench/decode_window.py). `delta_breakdown` is the pure arithmetic, shared with
 tests.
 """
 
@@ -108,16 +110,17 @@ def main(argv=None) -> int:
                          "runs a step, i.e. the load began (a client's start takes a while)")
     ap.add_argument("--router-pid", type=int, default=0,
                     help="a local router's process id: also its CPU per generated token")
+    ap.add_argument("--decode-window", type=float, default=0.0, metavar="MAX_S",
+                    help="> 0: instead of --after-first-step/--delay/--duration, poll the "
+                         "engine (up to MAX_S seconds, until a run ended) and measure from "
+                         "its first decode-only steps to its last step (bench/decode_window.py)")
     args = ap.parse_args(argv)
-    if args.after_first_step > 0:
-        wait_for_a_step(args, time.monotonic() + args.after_first_step)
-    time.sleep(args.delay)
-    before = _snapshot(args.engine, args.tls_dir, args.engine_role)
-    router0 = process_cpu_s(args.router_pid) if args.router_pid else 0.0
-    t0 = time.monotonic()
-    time.sleep(args.duration)
-    b = delta_breakdown(before, _snapshot(args.engine, args.tls_dir, args.engine_role))
-    wall = time.monotonic() - t0
+    if args.decode_window > 0:
+        first, last = _decode_window(args)
+    else:
+        first, last = _fixed_window(args)
+    b = delta_breakdown(first.counters, last.counters)
+    wall = last.t - first.t
     period = wall * 1e3 / b.num_steps  # one step to the next, the engine's ITL floor
     extra = {"window_s": round(wall, 3), "period_ms": round(period, 3),
              "outside_step_ms": round(period - b.step_ms, 3),
@@ -125,10 +128,35 @@ def main(argv=None) -> int:
              "process_cores": round(b.cpu_ms_per_step["process_cpu"] * b.num_steps / 1e3
                                     / wall, 3)}
     if args.router_pid:
-        router_s = process_cpu_s(args.router_pid) - router0
+        router_s = last.router_cpu_s - first.router_cpu_s
         extra["router_cpu_ms_per_token"] = round(router_s * 1e3 / max(1, b.num_sampled), 4)
     _print(b, extra)
     return 0
+
+
+def _reader(args):
+    """A Sample of the engine's counters (and the router's CPU) now, over one channel."""
+    from pdserve.bench.decode_window import Sample
+
+    snap = snapshot_fn(args.engine, args.tls_dir, args.engine_role)
+    return lambda: Sample(time.monotonic(), snap(),
+                          process_cpu_s(args.router_pid) if args.router_pid else 0.0)
+
+
+def _fixed_window(args):
+    if args.after_first_step > 0:
+        wait_for_a_step(args, time.monotonic() + args.after_first_step)
+    time.sleep(args.delay)
+    read = _reader(args)
+    first = read()
+    time.sleep(args.duration)
+    return first, read()
+
+
+def _decode_window(args):
+    from pdserve.bench.decode_window import decode_window, poll
+
+    return decode_window(poll(_reader(args), args.decode_window, poll_s=0.5))
 
 
 def wait_for_a_step(args, deadline: float, poll_s: float = 0.5) -> None:

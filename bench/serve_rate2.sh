@@ -4,8 +4,9 @@
 # starts `pdserve up --mode colocated` (SmolLM2 fp32, 2 threads on cores 0,1, prefix caching
 # off), warms it up, runs `pdserve bench serve` RUNS times at RATE (64 random prompts of
 # 256 -> 128 tokens, EOS ignored, temperature $TEMP), stops the stack, times the offline
-# decode step at $BATCHES, and prints each run's ITL p50 over the offline step at the batch its
-# median token rode (bench/itl_peer.py), then one JSON line with their median.
+# decode step at $BATCHES (before the stack too: the peer is the median of the two), and
+# prints each run's ITL p50 over the offline step at the batch its median token rode
+# (bench/itl_peer.py), then one JSON line with their median.
 # The code that runs is whatever `python -m pdserve` resolves to: PYTHONPATH picks a checkout
 # (itl_peer.py, stdlib only, runs from beside this script, so an older checkout can be timed).
 # Experiments (issue 19: is the served engine's own step slower than offline, and why):
@@ -23,13 +24,14 @@ BATCHES=${BATCHES:-4 8 16 24 32 48 64}
 TEMP=${TEMP:-1.0}
 rm -rf "$OUT"; mkdir -p "$OUT"
 export OMP_NUM_THREADS=2
-env ${ENGINE_ENV:-} $PY -m pdserve.cli up --mode colocated --num-threads 2 --cpus 0,1 --model smollm2 \
-  --weights fp32 --no-prefix-caching --insecure --port "$PORT" --grpc-port $((PORT + 1)) \
-  --discovery static --log-dir "$OUT/logs" ${UP_ARGS:-} > "$OUT/up.log" 2>&1 &
-UP=$!
-trap 'kill -TERM $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
-for _ in $(seq 600); do grep -q "^ready" "$OUT/up.log" && break; sleep 0.5; done
-grep -q "^ready" "$OUT/up.log" || { cat "$OUT/up.log"; exit 1; }
+# the offline peer before and after the served runs (itl_peer.py takes each batch's median):
+# one offline_step run alone varied by a tenth from the next in one hold
+OFFLINE_STEP=($PY -m pdserve.bench.offline_step --weights fp32 --num-threads 2
+              --no-prefix-caching --temperature "$TEMP" --batch $BATCHES)
+"${OFFLINE_STEP[@]}" | tail -1 > "$OUT/offline_step_before.json"
+source "$(dirname "$0")/stack_up.sh"
+stack_up "$OUT" "$PORT" env ${ENGINE_ENV:-} $PY -m pdserve.cli up --mode colocated \
+  --num-threads 2 --cpus 0,1 --model smollm2 --weights fp32 --no-prefix-caching ${UP_ARGS:-}
 ENGINE=$(awk '$1 == "unified0" && $2 ~ /:/ {print $2; exit}' "$OUT/up.log")
 if [ -n "${ROUTER_NICE:-}" ]; then
   renice -n "$ROUTER_NICE" -p $(pgrep -P "$UP" -f "router --model") > /dev/null
@@ -52,10 +54,9 @@ for i in $(seq "$RUNS"); do
     --out-dir "$OUT/run$i" | tail -1 > "$OUT/run$i.json"
   [ -z "$TR" ] || wait "$TR" || true
 done
-kill -TERM $UP; wait $UP || true
-trap - EXIT
-$PY -m pdserve.bench.offline_step --weights fp32 --num-threads 2 --no-prefix-caching \
-  --temperature "$TEMP" --batch $BATCHES | tail -1 > "$OUT/offline_step.json"
+stack_down
+"${OFFLINE_STEP[@]}" | tail -1 > "$OUT/offline_step.json"
 RUN_DIRS=()
 for i in $(seq "$RUNS"); do RUN_DIRS+=("$OUT/run$i"); done
-$PY "$(dirname "$0")/itl_peer.py" "$OUT/offline_step.json" "${RUN_DIRS[@]}" | sed "s|$OUT/||"
+$PY "$(dirname "$0")/itl_peer.py" "$OUT/offline_step_before.json" "$OUT/offline_step.json" \
+  "${RUN_DIRS[@]}" | sed "s|$OUT/||"

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from pdserve.bench.itl_peer import engine_step_ratio, run_row, step_at, token_weighted_batch
+from pdserve.bench.itl_peer import (engine_step_ratio, median_steps, run_row, step_at,
+                                     token_weighted_batch)
 
 
 def req(start, ttft, gaps, ok=True):
@@ -85,3 +86,30 @@ def test_cli_prints_the_engine_steps_when_a_trace_lies_beside_the_run(tmp_path):
     assert "1.10x the offline step" in out.stdout
     row = json.loads(out.stdout.strip().splitlines()[-1])["runs"][0]
     assert row["engine_decode_ratio_p50"] == pytest.approx(1.1)
+
+
+def test_several_offline_peers_give_the_median_step_per_batch(tmp_path):
+    peers = [{"decode_step_ms": {"8": 40.0, "16": 60.0, "32": 90.0}},
+             {"decode_step_ms": {"8": 48.0, "16": 66.0}},
+             {"decode_step_ms": {"8": 42.0, "16": 90.0, "64": 1.0}}]
+    assert median_steps(peers) == {8: 42.0, 16: 66.0}  # only batches all three timed
+    assert median_steps(peers[:2]) == {8: 44.0, 16: 63.0}
+    assert median_steps([]) == {}
+    for i, p in enumerate(peers[:2]):
+        (tmp_path / f"off{i}.json").write_text(json.dumps(p))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "serve.json").write_text(json.dumps({
+        "per_request": [req(0.0, 1.0, [1.0] * 3), req(0.0, 1.0, [1.0] * 3)],
+        "itl_s": {"p50": 0.0528}, "ttft_s": {"p50": 1.0}, "output_throughput": 10.0,
+        "failed": 0}))
+    out = subprocess.run([sys.executable, "-m", "pdserve.bench.itl_peer",
+                          str(tmp_path / "off0.json"), str(run), str(tmp_path / "off1.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert line["offline_step_ms"] == {"8": 44.0, "16": 63.0}
+    assert line["ratio_median"] == pytest.approx(1.2)  # 52.8 ms over 44 ms (batch 2 -> 8)
+    none = subprocess.run([sys.executable, "-m", "pdserve.bench.itl_peer", str(run), str(run)],
+                          capture_output=True, text=True, timeout=60)
+    assert none.returncode == 2 and "no offline_step JSON" in none.stderr
