@@ -42,6 +42,11 @@ def add_subcommands(subparsers) -> None:
     up.add_argument("--router-workers", type=int, default=RouterConfig.workers, metavar="N",
                     help="router processes sharing its HTTP and gRPC ports (SO_REUSEPORT; "
                          "services/router/workers.py says what they share)")
+    up.add_argument("--side-cpus", default="auto", metavar="CORES|auto|any",
+                    help="cores for redis, the KV store and the router; auto: the cores no "
+                         "decode or unified engine is pinned to, when there are such cores "
+                         "(so they never take a decode core's time), else unpinned; any: "
+                         "never pinned")
     up.add_argument("--router-arg", action="append", default=[], metavar="WORD",
                     help="one more word for the router's command line (repeatable), e.g. "
                          "--router-arg=--decode-policy --router-arg=round_robin")

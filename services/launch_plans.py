@@ -18,7 +18,11 @@ planning its KV cache from its budget after a profiling forward (common/engine/s
 the map prints each engine's budget, and each engine's KV blocks once it is ready.
 Cores: explicit `--cpus` / `--prefill-cpus` / `--decode-cpus` pin every instance of that kind
 there; otherwise, when the machine has at least one core per engine, each engine gets its own
-core (prefill instances first), and with fewer cores none is pinned (the map says so).
+core (prefill instances first), and with fewer cores none is pinned (the map says so). Redis, the KV store and the router
+go to `--side-cpus`; by default (auto) to the cores no decode or unified engine is pinned to,
+so their wake-ups never take a decode step's core (on 2 cores with prefill on 0 and decode on
+1 that moved the decode step's ITL from 1.24x to 1.13x the offline step), and unpinned when
+the engines hold every core.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ def plan_stack(args, log_dir: Path, tls_dir: str = "", secret_dir: str = "") -> 
     plaintext); `secret_dir`: a private folder for Redis's password (needed whenever the stack
     starts Redis: registry discovery or disagg)."""
     engines = _engines(args)
+    side = side_cpus(args.side_cpus, engines)
     rows: list[tuple[str, str, str, str]] = []  # (name, address, cores, what)
     steps: list[Step] = []
     registry = ""
@@ -70,9 +75,9 @@ def plan_stack(args, log_dir: Path, tls_dir: str = "", secret_dir: str = "") -> 
             raise ValueError("a stack with Redis needs a private secret_dir for its password")
         redis_port = args.redis_port or free_port(args.host)
         step, redis_urls = _redis(args, log_dir, redis_port, Path(secret_dir) / "redis")
-        steps.append(step)
+        steps.append(_pinned(step, side))
         registry = f"@{redis_urls[REGISTRY_DB]}"  # the URL file: the password stays off argv
-        rows.append(("redis", f"{args.host}:{redis_port}", "-",
+        rows.append(("redis", f"{args.host}:{redis_port}", side or "any",
                      "instance registry" + (" + KV store metadata" if args.mode == "disagg"
                                             else "")))
     if args.discovery != "registry":
@@ -81,8 +86,9 @@ def plan_stack(args, log_dir: Path, tls_dir: str = "", secret_dir: str = "") -> 
     if args.mode == "disagg":
         store = f"{args.host}:{args.kv_store_port or free_port(args.host)}"
         kv_secrets = make_kv_secrets(Path(secret_dir) / "kv")
-        steps.append(_kvstore(args, log_dir, store, redis_urls[0], tls_dir, kv_secrets.store))
-        rows.append(("kvstore", store, "-", f"KV store master + node, {args.kv_capacity_mib} MiB"))
+        steps.append(_pinned(_kvstore(args, log_dir, store, redis_urls[0], tls_dir,
+                                      kv_secrets.store), side))
+        rows.append(("kvstore", store, side or "any", f"KV store master + node, {args.kv_capacity_mib} MiB"))
     addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
     budget = engine_memory_share(args, len(engines))
     for e in engines:
@@ -91,8 +97,9 @@ def plan_stack(args, log_dir: Path, tls_dir: str = "", secret_dir: str = "") -> 
         addrs["prefill" if e.role == "prefill" else "decode"].append(addr)
         rows.append((e.name, addr, e.cpus or "any", f"{e.role}, {e.threads} torch thread(s), "
                      f"{_budget_words(args, budget)}"))
-    steps.append(_router(args, log_dir, addrs, store, registry, tls_dir, kv_secrets))
-    rows.append(("router", f"{args.host}:{args.port}", "any",
+    steps.append(_pinned(_router(args, log_dir, addrs, store, registry, tls_dir, kv_secrets),
+                         side))
+    rows.append(("router", f"{args.host}:{args.port}", side or "any",
                  f"HTTP; gRPC :{args.grpc_port}; discovery {args.discovery}"
                  + (f"; {args.router_workers} workers" if args.router_workers != 1 else "")))
     return Plan(steps, _layout(rows, engines), _banner(args, addrs, store, tls_dir))
@@ -135,6 +142,41 @@ def _engines(args) -> list[_Engine]:
     auto = not explicit and len(kinds) > 1 and len(cores) >= len(kinds)
     return [_Engine(f"{role}{i}", role, str(cores[k]) if auto else cpus, threads)
             for k, (role, i, cpus, threads) in enumerate(kinds)]
+
+
+def side_cpus(flag: str, engines: list[_Engine]) -> str:
+    """The cores of the stack's other processes (redis, KV store, router) from `--side-cpus`:
+    a core list as given, "any" -> "" (unpinned), "auto" -> the cores left when the decode and
+    unified engines' pinned cores are taken out ("" when none is pinned or none is left)."""
+    if flag == "any":
+        return ""
+    if flag != "auto":
+        _cores(flag)  # a bad list is a ValueError here, not a taskset failure at start
+        return flag
+    taken = set()
+    for e in engines:
+        if e.role != "prefill" and e.cpus:
+            taken |= _cores(e.cpus)
+    left = sorted(set(os.sched_getaffinity(0)) - taken)
+    return ",".join(map(str, left)) if taken and left else ""
+
+
+def _cores(cpus: str) -> set[int]:
+    """"0,2-3" -> {0, 2, 3}; ValueError on anything else."""
+    out: set[int] = set()
+    for part in cpus.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"not a core list: {cpus!r} (e.g. 0,2-3)")
+        out |= set(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _pinned(step: Step, cpus: str) -> Step:
+    """The step's process pinned to `cpus` from exec on (its threads and children too)."""
+    if cpus and shutil.which("taskset"):
+        step.child.argv = ["taskset", "-c", cpus] + step.child.argv
+    return step
 
 
 def _redis(args, log_dir: Path, port: int, auth: Path) -> tuple[Step, dict[int, str]]:

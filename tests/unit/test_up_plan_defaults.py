@@ -32,7 +32,8 @@ def test_every_step_gets_tls_and_secrets_and_no_redis_secret_in_argv(tmp_path, m
             words = " ".join(argv)
             assert "redis://" not in words and password not in words, name
             if name == "redis":
-                assert "--requirepass" not in argv and argv[1].endswith("redis.conf")
+                server = next(i for i, w in enumerate(argv) if w.endswith("redis-server"))
+                assert "--requirepass" not in argv and argv[server + 1].endswith("redis.conf")
                 continue
             assert flag(step.child, "--tls-dir") == run.tls_dir, name
             for url_flag in ("--redis-url", "--registry"):
