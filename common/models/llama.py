@@ -20,6 +20,7 @@ from pdserve.common.distributed.layout import (SINGLE, WHOLE_MODEL, PipelineStag
 from pdserve.common.models.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                           RowParallelLinear)
 from pdserve.common.models.packed_layer import DecodeStep, PackedLayer, PackedLinear
+from pdserve.common.models.packed_stack import PackedStack
 from pdserve.common.models.quant.cpu_native import load_packed_kernels
 from pdserve.common.models.quant.embedding import PackedEmbedding
 from pdserve.common.models.quant.gemm import large_m
@@ -157,6 +158,7 @@ class LlamaForCausalLM(nn.Module):
         self._packed_layers: Optional[list[PackedLayer]] = None
         self._packed_gemm = None
         self._rms_norm = None
+        self._packed_stack: Optional[PackedStack] = None  # the same layers in one call
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata,
@@ -177,6 +179,10 @@ class LlamaForCausalLM(nn.Module):
         step = None if attend is None else DecodeStep.of(
             meta.num_tokens, meta.num_decodes, meta.num_reqs, self._packed_gemm.fused_rows,
             cos_sin, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        if step is not None and layer_done is None and self._packed_stack is not None:
+            # no hook between layers: every layer in one native call (packed_stack.py)
+            x = self._packed_stack.forward(self._packed_gemm, x, kv_caches, step)
+            return self.norm(x) if self.pp.is_last else x
         for i, kv_cache in zip(self.layer_range, kv_caches):
             if attend is not None:  # the same kernels as the modules, called directly
                 x = self._packed_layers[i - self.layer_range.start].forward(
@@ -209,6 +215,7 @@ class LlamaForCausalLM(nn.Module):
         layers = [self.layers[i].as_native_layer() for i in self.layer_range]
         if gemm is not None and layers and all(p is not None for p in layers):
             self._packed_layers, self._packed_gemm = layers, gemm
+            self._packed_stack = PackedStack.of(layers)
             self._rms_norm = native.rms_norm
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:

@@ -51,6 +51,7 @@ def test_packed_layers_equal_the_module_path_and_fp32(tmp_path):
     model = ours.engine.model
     assert model._packed_layers is not None and len(model._packed_layers) == 2
     assert all(isinstance(p, PackedLayer) for p in model._packed_layers)
+    model._packed_stack = None  # decode steps layer by layer too (test_packed_stack.py)
     calls = []
     layer = model._packed_layers[0]
     forward = type(layer).forward
@@ -82,6 +83,7 @@ def test_one_call_layer_equals_the_module_path(tmp_path, batch):
     write_gguf(tmp_path / "m.gguf")
     ours = engine(tmp_path / "m.gguf", True)
     model = ours.engine.model
+    model._packed_stack = None  # one call per layer, not the whole stack (test_packed_stack.py)
     calls = []
     for layer in model._packed_layers:
         one_call = type(layer)._decode

@@ -75,9 +75,12 @@ struct Layer {
   float* out;  // [T, hidden]
 };
 
+// The layer's phases on thread i of the n in the calling parallel region (buffers as Layer.buf
+// lays them out for nt threads), a barrier between phases; the caller's region ends or
+// barriers before anything reads L.out.
 template <typename T>
-void run_layer(const Layer& L, const DecodeProblem<T>& att, T* kc, T* vc,
-               int64_t tile_blocks, int nt) {
+void layer_phases(const Layer& L, const DecodeProblem<T>& att, T* kc, T* vc,
+                  int64_t tile_blocks, int nt, int n, int i) {
   const int64_t Tn = L.T, hid = L.hidden, H = L.heads, kvh = L.kvh, d = L.d, I = L.inter;
   const int64_t nqkv = (H + 2 * kvh) * d, group = H / kvh;
   float* hbuf = L.buf;                    // [nt, T, hidden]: each thread's own normed rows
@@ -88,9 +91,7 @@ void run_layer(const Layer& L, const DecodeProblem<T>& att, T* kc, T* vc,
   float* y = x1 + Tn * hid;               // [T, 2 I]
   float* g = y + Tn * 2 * I;              // [T, I]
   const int64_t items = Tn * kvh;         // (token, kv head)
-#pragma omp parallel num_threads(nt)
   {
-    const int n = omp_get_num_threads(), i = omp_get_thread_num();
     float* h = hbuf + i * Tn * hid;
     // RMSNorm on every thread (a few hundred floats): no barrier before the qkv GEMM
     for (int64_t r = 0; r < Tn; ++r) rms_row(L.x + r * L.sx, L.ln1, L.eps, hid, h + r * hid);
@@ -136,6 +137,120 @@ void run_layer(const Layer& L, const DecodeProblem<T>& att, T* kc, T* vc,
   }
 }
 
+template <typename T>
+void run_layer(const Layer& L, const DecodeProblem<T>& att, T* kc, T* vc,
+               int64_t tile_blocks, int nt) {
+#pragma omp parallel num_threads(nt)
+  layer_phases(L, att, kc, vc, tile_blocks, nt, omp_get_num_threads(), omp_get_thread_num());
+}
+
+
+// One step's shape and attention metadata, checked once for every layer it runs.
+struct Step {
+  int64_t T, hidden, num_blocks, bs, kvh, d, heads, q_size, nqkv;
+  const float *cos, *sin;
+  const int64_t* slots;
+};
+
+Step check_step(const char* fn, const at::Tensor& x, const at::Tensor& cos,
+                const at::Tensor& sin, const at::Tensor& kv_cache,
+                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                const at::Tensor& seq_lens, int64_t num_heads) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
+                        x.stride(1) == 1 && x.size(0) >= 1 && x.size(0) < PANEL_MIN_M,
+                    fn, ": x must be float32 CPU [T, hidden], 1 <= T < ", PANEL_MIN_M,
+                    ", unit column stride, got ", x.sizes());
+  const int64_t T = x.size(0);
+  TORCH_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                        kv_cache.device().is_cpu(),
+                    fn, ": kv_cache must be a contiguous CPU tensor [2, blocks, block_size, "
+                    "kv_heads, head_dim], got ", kv_cache.sizes());
+  const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), kvh = kv_cache.size(3);
+  const int64_t d = kv_cache.size(4);
+  TORCH_CHECK_VALUE(d % 2 == 0, fn, ": head_dim must be even, got ", d);
+  pdserve_kernels::check_heads(fn, num_heads, kvh);
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                          t->numel() == T * d && t->device().is_cpu(),
+                      fn, ": cos and sin must be contiguous float32 [T, head_dim]");
+  TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                        slot_mapping.device().is_cpu() && slot_mapping.numel() == T,
+                    fn, ": slot_mapping must be contiguous int64 CPU [T]");
+  // everything the attention reads is checked before the cache is written
+  pdserve_kernels::check_batch_metadata(fn, block_tables, seq_lens, nullptr, bs, num_blocks);
+  TORCH_CHECK_VALUE(seq_lens.size(0) == T, fn, ": one decode request per token: seq_lens [",
+                    seq_lens.size(0), "] for ", T, " tokens");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t r = 0; r < T; ++r)
+    TORCH_CHECK_VALUE(slots[r] >= 0 && slots[r] < num_blocks * bs, fn, ": slot_mapping[", r,
+                      "] = ", slots[r], " is outside the cache's ", num_blocks * bs, " slots");
+  const int64_t q_size = num_heads * d;
+  return Step{T, x.size(1), num_blocks, bs, kvh, d, num_heads, q_size, q_size + 2 * kvh * d,
+              cos.data_ptr<float>(), sin.data_ptr<float>(), slots};
+}
+
+// One packed linear's arguments as the caller passed them (checked by `linear`)
+struct LinearArg {
+  const at::Tensor& w;
+  int64_t qtype;
+  const c10::optional<at::Tensor>& bias;
+};
+
+// One layer's weights, checked against the step's shape by layer_of.
+struct Weights {
+  const at::Tensor &ln1, &ln2;
+  LinearArg qkv, o, gate_up, down;
+};
+
+int64_t inter_of(const char* fn, const at::Tensor& gu_w) {
+  TORCH_CHECK_VALUE(gu_w.dim() == 2 && gu_w.size(0) % 2 == 0, fn,
+                    ": gate_up must stack two equal halves, got ", gu_w.sizes());
+  return gu_w.size(0) / 2;
+}
+
+// The Layer for weights w reading x (row stride sx) and writing out; buf holds buf_floats.
+Layer layer_of(const char* fn, const Step& s, const Weights& w, double eps, const float* x,
+               int64_t sx, float* buf, float* out) {
+  for (const at::Tensor* t : {&w.ln1, &w.ln2})
+    TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == s.hidden && t->scalar_type() == at::kFloat &&
+                          t->is_contiguous() && t->device().is_cpu(),
+                      fn, ": norm weights must be contiguous float32 [", s.hidden, "]");
+  const int64_t inter = inter_of(fn, w.gate_up.w);
+  auto lin = [&](const char* what, const LinearArg& a, int64_t K, int64_t N) {
+    return linear(what, a.w, a.qtype, a.bias, K, N);
+  };
+  return Layer{x, sx, s.T, s.hidden, s.heads, s.kvh, s.d, inter,
+               w.ln1.data_ptr<float>(), w.ln2.data_ptr<float>(), static_cast<float>(eps),
+               lin("packed_decode_layer qkv", w.qkv, s.hidden, s.nqkv),
+               lin("packed_decode_layer o", w.o, s.q_size, s.hidden),
+               lin("packed_decode_layer gate_up", w.gate_up, s.hidden, 2 * inter),
+               lin("packed_decode_layer down", w.down, inter, s.hidden),
+               s.cos, s.sin, s.slots, buf, out};
+}
+
+// Floats of Layer.buf for nt threads (see Layer)
+int64_t buf_floats(const Step& s, int64_t inter, int nt) {
+  return (nt + 1) * s.T * s.hidden + s.T * s.nqkv + 2 * s.T * s.q_size + 3 * s.T * inter;
+}
+
+// The attention problem of a layer whose buffers are laid out from bp (see layer_phases)
+template <typename KT>
+DecodeProblem<KT> attention_of(const Step& s, const at::Tensor& kv_cache,
+                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                               double scale, float* attn) {
+  KT* kc = static_cast<KT*>(kv_cache.data_ptr());
+  const int64_t cache = s.num_blocks * s.bs * s.kvh * s.d;  // K then V
+  return DecodeProblem<KT>{attn - s.T * s.q_size, s.q_size, kc, kc + cache,
+                           block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), attn,
+                           s.heads, s.kvh, s.d, s.bs, block_tables.size(1),
+                           static_cast<float>(scale)};
+}
+
+// Where layer_phases puts the attention output in buf (after h, qkv and q)
+float* attn_in(const Step& s, float* bp, int nt) {
+  return bp + nt * s.T * s.hidden + s.T * s.nqkv + s.T * s.q_size;
+}
+
 }  // namespace
 
 // x [T, hidden] fp32 (unit column stride), T < PANEL_MIN_M decode tokens (request r is token
@@ -152,66 +267,89 @@ at::Tensor packed_decode_layer(
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     double scale, int64_t num_heads) {
   const char* fn = "packed_decode_layer";
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
-                        x.stride(1) == 1 && x.size(0) >= 1 && x.size(0) < PANEL_MIN_M,
-                    fn, ": x must be float32 CPU [T, hidden], 1 <= T < ", PANEL_MIN_M,
-                    ", unit column stride, got ", x.sizes());
-  const int64_t T = x.size(0), hidden = x.size(1);
-  for (const at::Tensor* w : {&ln1, &ln2})
-    TORCH_CHECK_VALUE(w->dim() == 1 && w->size(0) == hidden && w->scalar_type() == at::kFloat &&
-                          w->is_contiguous() && w->device().is_cpu(),
-                      fn, ": norm weights must be contiguous float32 [", hidden, "]");
-  TORCH_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                        kv_cache.device().is_cpu(),
-                    fn, ": kv_cache must be a contiguous CPU tensor [2, blocks, block_size, "
-                    "kv_heads, head_dim], got ", kv_cache.sizes());
-  const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), kvh = kv_cache.size(3);
-  const int64_t d = kv_cache.size(4);
-  TORCH_CHECK_VALUE(d % 2 == 0, fn, ": head_dim must be even, got ", d);
-  pdserve_kernels::check_heads(fn, num_heads, kvh);
-  const int64_t q_size = num_heads * d, nqkv = q_size + 2 * kvh * d;
-  TORCH_CHECK_VALUE(gu_w.dim() == 2 && gu_w.size(0) % 2 == 0, fn,
-                    ": gate_up must stack two equal halves, got ", gu_w.sizes());
-  const int64_t inter = gu_w.size(0) / 2;
-  const Linear qkv = linear("packed_decode_layer qkv", qkv_w, qkv_qt, qkv_b, hidden, nqkv);
-  const Linear o = linear("packed_decode_layer o", o_w, o_qt, o_b, q_size, hidden);
-  const Linear gu = linear("packed_decode_layer gate_up", gu_w, gu_qt, gu_b, hidden, 2 * inter);
-  const Linear down = linear("packed_decode_layer down", down_w, down_qt, down_b, inter, hidden);
-  for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->is_contiguous() &&
-                          t->numel() == T * d && t->device().is_cpu(),
-                      fn, ": cos and sin must be contiguous float32 [T, head_dim]");
-  TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                        slot_mapping.device().is_cpu() && slot_mapping.numel() == T,
-                    fn, ": slot_mapping must be contiguous int64 CPU [T]");
-  // everything the attention reads is checked before the cache is written
-  pdserve_kernels::check_batch_metadata(fn, block_tables, seq_lens, nullptr, bs, num_blocks);
-  TORCH_CHECK_VALUE(seq_lens.size(0) == T, fn, ": one decode request per token: seq_lens [",
-                    seq_lens.size(0), "] for ", T, " tokens");
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t r = 0; r < T; ++r)
-    TORCH_CHECK_VALUE(slots[r] >= 0 && slots[r] < num_blocks * bs, fn, ": slot_mapping[", r,
-                      "] = ", slots[r], " is outside the cache's ", num_blocks * bs, " slots");
-
+  const Step s = check_step(fn, x, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens,
+                            num_heads);
   const int nt = std::max(1, at::get_num_threads());
-  at::Tensor buf = x.new_empty({(nt + 1) * T * hidden + T * nqkv + 2 * T * q_size + 3 * T * inter});
-  at::Tensor out = x.new_empty({T, hidden});
+  at::Tensor buf = x.new_empty({buf_floats(s, inter_of(fn, gu_w), nt)});
+  at::Tensor out = x.new_empty({s.T, s.hidden});
   float* bp = buf.data_ptr<float>();
-  const Layer L{x.data_ptr<float>(), x.stride(0), T, hidden, num_heads, kvh, d, inter,
-                ln1.data_ptr<float>(), ln2.data_ptr<float>(), static_cast<float>(eps),
-                qkv, o, gu, down, cos.data_ptr<float>(), sin.data_ptr<float>(), slots, bp,
-                out.data_ptr<float>()};
-  float* attn = bp + nt * T * hidden + T * nqkv + T * q_size;
-  const float* q = attn - T * q_size;
-  const int64_t tile_blocks = std::max<int64_t>(1, 64 / bs);  // as paged_decode
+  const Weights w{ln1, ln2, {qkv_w, qkv_qt, qkv_b}, {o_w, o_qt, o_b}, {gu_w, gu_qt, gu_b},
+                  {down_w, down_qt, down_b}};
+  const Layer L = layer_of(fn, s, w, eps, x.data_ptr<float>(), x.stride(0), bp,
+                           out.data_ptr<float>());
+  const int64_t tile_blocks = std::max<int64_t>(1, 64 / s.bs);  // as paged_decode
   pdserve_kernels::dispatch_kv(fn, kv_cache.scalar_type(), [&](auto zero) {
     using KT = decltype(zero);
-    KT* kc = static_cast<KT*>(kv_cache.data_ptr());
-    KT* vc = kc + num_blocks * bs * kvh * d;
-    const DecodeProblem<KT> att{
-        q, q_size, kc, vc, block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), attn,
-        num_heads, kvh, d, bs, block_tables.size(1), static_cast<float>(scale)};
-    run_layer(L, att, kc, vc, tile_blocks, nt);
+    const DecodeProblem<KT> att = attention_of<KT>(s, kv_cache, block_tables, seq_lens, scale,
+                                                   attn_in(s, bp, nt));
+    run_layer(L, att, const_cast<KT*>(att.k_cache), const_cast<KT*>(att.v_cache), tile_blocks, nt);
   });
   return out;
+}
+
+// A stack of packed layers (one per entry of every list, in order) for the same decode step as
+// packed_decode_layer, in ONE call and ONE parallel region: each layer's phases as there, a
+// barrier between layers. qtypes [L, 4]: the qkv, o, gate_up and down types of each layer.
+// kv_caches: one per layer, all of one shape and dtype. Bit-identical to calling
+// packed_decode_layer layer by layer (the same phases on the same buffers' values).
+at::Tensor packed_decode_layers(
+    const at::Tensor& x, const std::vector<at::Tensor>& ln1, const std::vector<at::Tensor>& ln2,
+    double eps, const std::vector<at::Tensor>& qkv_w, const std::vector<at::Tensor>& o_w,
+    const std::vector<at::Tensor>& gu_w, const std::vector<at::Tensor>& down_w,
+    const std::vector<int64_t>& qtypes, const std::vector<c10::optional<at::Tensor>>& biases,
+    const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& kv_caches,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    double scale, int64_t num_heads) {
+  const char* fn = "packed_decode_layers";
+  const size_t n_layers = ln1.size();
+  TORCH_CHECK_VALUE(n_layers >= 1 && ln2.size() == n_layers && qkv_w.size() == n_layers &&
+                        o_w.size() == n_layers && gu_w.size() == n_layers &&
+                        down_w.size() == n_layers && kv_caches.size() == n_layers &&
+                        qtypes.size() == 4 * n_layers && biases.size() == 4 * n_layers,
+                    fn, ": every list needs one entry per layer (", n_layers,
+                    "; qtypes and biases four per layer)");
+  const Step s = check_step(fn, x, cos, sin, kv_caches[0], slot_mapping, block_tables,
+                            seq_lens, num_heads);
+  for (const at::Tensor& c : kv_caches)
+    TORCH_CHECK_VALUE(c.sizes() == kv_caches[0].sizes() && c.is_contiguous() &&
+                          c.device().is_cpu() && c.scalar_type() == kv_caches[0].scalar_type(),
+                      fn, ": every layer's kv_cache must be contiguous, of one shape and dtype");
+  const int nt = std::max(1, at::get_num_threads());
+  int64_t inter = 0;
+  for (const at::Tensor& w : gu_w) inter = std::max(inter, inter_of(fn, w));
+  at::Tensor buf = x.new_empty({buf_floats(s, inter, nt)});
+  at::Tensor outs = x.new_empty({2, s.T, s.hidden});  // layers write them in turn
+  float* bp = buf.data_ptr<float>();
+  std::vector<Layer> layers;
+  for (size_t l = 0; l < n_layers; ++l) {
+    const size_t j = 4 * l;  // this layer's qtypes and biases: qkv, o, gate_up, down
+    const Weights w{ln1[l], ln2[l], {qkv_w[l], qtypes[j], biases[j]},
+                    {o_w[l], qtypes[j + 1], biases[j + 1]},
+                    {gu_w[l], qtypes[j + 2], biases[j + 2]},
+                    {down_w[l], qtypes[j + 3], biases[j + 3]}};
+    const float* in = l == 0 ? x.data_ptr<float>() : layers.back().out;
+    const int64_t sx = l == 0 ? x.stride(0) : s.hidden;
+    layers.push_back(layer_of(fn, s, w, eps, in, sx, bp, outs[l % 2].data_ptr<float>()));
+  }
+  const int64_t tile_blocks = std::max<int64_t>(1, 64 / s.bs);  // as paged_decode
+  pdserve_kernels::dispatch_kv(fn, kv_caches[0].scalar_type(), [&](auto zero) {
+    using KT = decltype(zero);
+    std::vector<DecodeProblem<KT>> att;
+    for (size_t l = 0; l < n_layers; ++l)
+      att.push_back(attention_of<KT>(s, kv_caches[l], block_tables, seq_lens, scale,
+                                     attn_in(s, bp, nt)));
+#pragma omp parallel num_threads(nt)
+    {
+      const int n = omp_get_num_threads(), i = omp_get_thread_num();
+      for (size_t l = 0; l < n_layers; ++l) {
+        if (l) {
+#pragma omp barrier
+        }
+        layer_phases(layers[l], att[l], const_cast<KT*>(att[l].k_cache),
+                     const_cast<KT*>(att[l].v_cache),
+                     tile_blocks, nt, n, i);
+      }
+    }
+  });
+  return outs[(n_layers - 1) % 2];
 }

@@ -50,6 +50,15 @@ at::Tensor packed_decode_layer(
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     double scale, int64_t num_heads);
+// fused_layer.cpp: a stack of such layers in one call
+at::Tensor packed_decode_layers(
+    const at::Tensor& x, const std::vector<at::Tensor>& ln1, const std::vector<at::Tensor>& ln2,
+    double eps, const std::vector<at::Tensor>& qkv_w, const std::vector<at::Tensor>& o_w,
+    const std::vector<at::Tensor>& gu_w, const std::vector<at::Tensor>& down_w,
+    const std::vector<int64_t>& qtypes, const std::vector<c10::optional<at::Tensor>>& biases,
+    const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& kv_caches,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    double scale, int64_t num_heads);
 
 
 // x [M, K] fp32 (unit column stride; rows may be strided), w [N, K / block_size * block_bytes] uint8,
@@ -173,6 +182,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gate_up_bias"), py::arg("down"), py::arg("down_qtype"), py::arg("down_bias"),
         py::arg("cos"), py::arg("sin"), py::arg("kv_cache"), py::arg("slot_mapping"),
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("num_heads"));
+  m.def("packed_decode_layers", &packed_decode_layers,
+        "A stack of packed decoder layers for T < 4 decode tokens in one parallel region",
+        release(), py::arg("x"), py::arg("ln1"), py::arg("ln2"), py::arg("eps"),
+        py::arg("qkv_w"), py::arg("o_w"), py::arg("gate_up_w"), py::arg("down_w"),
+        py::arg("qtypes"), py::arg("biases"), py::arg("cos"), py::arg("sin"),
+        py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("num_heads"));
   m.attr("fused_rows") = PANEL_MIN_M;  // packed_decode_layer takes fewer tokens than this
   m.attr("simd") = PDSERVE_SIMD;
 }
