@@ -35,15 +35,18 @@ def test_io_thread_and_its_worker_make_no_openmp_team(two_torch_threads):
     io = IOThread("test-io")
     try:
         assert io.run(_on_loop(), 30.0) == 1
-        assert _settle(base + 1) == base + 1  # the I/O thread alone, no team worker
+        assert _settle(base, 1) == 1  # the I/O thread alone, no team worker
 
         async def offloaded() -> int:
             return await io.offload(_parallel_op)
 
         assert io.run(offloaded(), 30.0) == 1
-        assert _settle(base + 2) == base + 2  # and its CPU worker, no team worker
+        assert _settle(base, 2) == 2  # and its CPU worker, no team worker
     finally:
         io.close()
+    # both go away (the worker exits after close returns: waited for, so the next test's
+    # count starts from a settled process)
+    assert _settle(base, 0) == 0
     assert torch.get_num_threads() == 2  # the process's count is untouched
 
 
@@ -68,13 +71,13 @@ def test_only_the_calling_thread_turns_serial(two_torch_threads):
     try:
         threads[0].start()
         assert done[0].wait(30.0) and got == [(True, 1)]
-        assert _settle(base + 1) == base + 1  # no team worker beside it
+        assert _settle(base, 1) == 1  # no team worker beside it
         threads[1].start()  # started later: still the process's 2 threads, and a team worker
         assert done[1].wait(30.0) and got[1] == 2
-        assert _settle(base + 3) == base + 3
+        assert _settle(base, 3) == 3
     finally:
         stop.set()
         for t in threads:
             if t.ident is not None:
                 t.join()
-    assert _settle(base) == base
+    assert _settle(base, 0) == 0

@@ -8,16 +8,19 @@ import time
 import torch
 
 
-def threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def threads() -> frozenset[str]:
+    """This process's thread ids now."""
+    return frozenset(os.listdir("/proc/self/task"))
 
 
-def settle(expected: int, timeout_s: float = 5.0) -> int:
-    """The thread count once it reaches `expected` (starting/exiting threads take a moment)."""
+def settle(base: frozenset[str], expected: int, timeout_s: float = 5.0) -> int:
+    """How many threads not in `base` are alive, once that count reaches `expected` (starting
+    and exiting threads take a moment). Counted against `base`'s ids, not its size, so a
+    thread an earlier test left exiting cannot shift the count."""
     end = time.monotonic() + timeout_s
-    while threads() != expected and time.monotonic() < end:
+    while len(threads() - base) != expected and time.monotonic() < end:
         time.sleep(0.01)
-    return threads()
+    return len(threads() - base)
 
 
 @contextlib.contextmanager
