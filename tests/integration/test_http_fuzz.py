@@ -8,6 +8,7 @@ import asyncio
 import json
 import math
 import threading
+import time
 
 import grpc
 import httpx
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from pdserve.common.rpc import engine_pb2 as pb
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
 from pdserve.services.engine_host.engine_server import start_engine_server
+from pdserve.services.launcher import http_ok
 from pdserve.services.engine_host.engine_service_config import EngineServiceConfig
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.limits_config import LimitsConfig
@@ -116,10 +118,17 @@ def stack():
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
     engine = on_loop(start_engine_server(ecfg, EngineCore(ecfg.engine_config())))
+    assert on_loop(engine.engine.wait_warmed_up(), 120)  # SERVING only after its warm-up
     address = f"127.0.0.1:{engine.port}"
     router = on_loop(start_router(RouterConfig(
         model="tiny", backends=(address,), port=0, grpc_port=-1, max_n=4,
         limits=LimitsConfig(request_timeout_s=30)), tokenizer=load_tokenizer("tiny")))
+    # a request before the router's first health poll saw the engine is a correct 503 ("try
+    # again shortly"), not what this test fuzzes: start once the router has seen it SERVING
+    deadline = time.monotonic() + 60
+    while not http_ok(f"http://127.0.0.1:{router.http_port}/health"):
+        assert time.monotonic() < deadline, "the router never saw the engine SERVING"
+        time.sleep(0.1)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{router.http_port}", timeout=30) as c:
             yield c, address
