@@ -18,11 +18,11 @@ planning its KV cache from its budget after a profiling forward (common/engine/s
 the map prints each engine's budget, and each engine's KV blocks once it is ready.
 Cores: explicit `--cpus` / `--prefill-cpus` / `--decode-cpus` pin every instance of that kind
 there; otherwise, when the machine has at least one core per engine, each engine gets its own
-core (prefill instances first), and with fewer cores none is pinned (the map says so). Redis, the KV store and the router
-go to `--side-cpus`; by default (auto) to the cores no decode or unified engine is pinned to,
-so their wake-ups never take a decode step's core (on 2 cores with prefill on 0 and decode on
-1 that moved the decode step's ITL from 1.24x to 1.13x the offline step), and unpinned when
-the engines hold every core.
+core (prefill instances first), and with fewer cores none is pinned (the map says so).
+Redis, the KV store and the router go to `--side-cpus`; by default (auto) to the cores no
+decode or unified engine is pinned to, so their wake-ups never take a decode step's core (on 2
+cores with prefill on 0 and decode on 1 that moved the decode step's ITL from 1.24x to 1.13x
+the offline step), and unpinned when the engines hold every core.
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def plan_stack(args, log_dir: Path, tls_dir: str = "", secret_dir: str = "") -> 
         kv_secrets = make_kv_secrets(Path(secret_dir) / "kv")
         steps.append(_pinned(_kvstore(args, log_dir, store, redis_urls[0], tls_dir,
                                       kv_secrets.store), side))
-        rows.append(("kvstore", store, side or "any", f"KV store master + node, {args.kv_capacity_mib} MiB"))
+        rows.append(("kvstore", store, side or "any",
+                     f"KV store master + node, {args.kv_capacity_mib} MiB"))
     addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
     budget = engine_memory_share(args, len(engines))
     for e in engines:
@@ -174,9 +175,14 @@ def _cores(cpus: str) -> set[int]:
 
 def _pinned(step: Step, cpus: str) -> Step:
     """The step's process pinned to `cpus` from exec on (its threads and children too)."""
-    if cpus and shutil.which("taskset"):
-        step.child.argv = ["taskset", "-c", cpus] + step.child.argv
+    step.child.argv = _taskset(step.child.argv, cpus)
     return step
+
+
+def _taskset(words: list[str], cpus: str) -> list[str]:
+    """`words` run under `taskset -c cpus` (pinned from exec on, before any thread starts);
+    unchanged when `cpus` is empty or taskset is missing."""
+    return ["taskset", "-c", cpus] + words if cpus and shutil.which("taskset") else words
 
 
 def _redis(args, log_dir: Path, port: int, auth: Path) -> tuple[Step, dict[int, str]]:
@@ -236,9 +242,7 @@ def _engine(args, log_dir: Path, e: _Engine, store: str, registry: str,
             words.append("--kv-per-rank" if args.kv_per_rank else "--no-kv-per-rank")
     if registry:
         words += ["--registry", registry]
-    if e.cpus and shutil.which("taskset"):  # pinned from exec on, before any thread starts
-        words = ["taskset", "-c", e.cpus] + words
-    child = Child(e.name, words, log_dir)
+    child = Child(e.name, _taskset(words, e.cpus), log_dir)
     return Step(child, lambda: engine_serving(addr, service, tls_dir),
                 lambda: engine_kv_budget(addr, service, tls_dir)), addr
 
