@@ -90,6 +90,24 @@ def test_batch_one(kernels, seq_len):
     torch.testing.assert_close(_native(kernels, q, kv, meta, 0.125), ref, **TOL)
 
 
+@pytest.mark.parametrize("seq_len", [33, 300, 777])
+def test_batch_one_parts_independent_of_threads(kernels, seq_len):
+    """Batch 1 runs its context as fixed block-aligned parts merged in order (not one part per
+    thread), so its answer is bit-identical at 1, 2 and 3 threads, and matches the reference."""
+    q, kv, meta = make_decode_batch([seq_len], 64, 16, 3, num_kv_heads=3, seed=seq_len)
+    ref = _decode(q, kv, meta, 0.125)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(_native(kernels, q, kv, meta, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(outs[0], ref, **TOL)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_many_requests_threads(kernels, threads):
     gen = torch.Generator().manual_seed(3)

@@ -97,6 +97,18 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
                              kv + num_blocks * bs * kvh * d, tables.data_ptr<int32_t>(),
                              lens.data_ptr<int32_t>(), out.data_ptr<float>(), heads, kvh, d, bs,
                              width, static_cast<float>(scale)};
+    if (num_reqs == 1) {  // batch 1: the context in parts, merged (decode_attention.h)
+      std::vector<float> buf(DecodeParts::floats(heads, d));
+      const DecodeParts parts(buf.data(), heads, d);
+      at::parallel_for(0, kDecodeParts, grain == 1 ? 1 : kDecodeParts,
+                       [&](int64_t begin, int64_t end) {
+        Scratch scratch(heads, d, tile_blocks * bs);
+        for (int64_t part = begin; part < end; ++part)
+          decode_part(p, 0, part, tile_blocks, scratch, parts);
+      });
+      merge_parts(parts, heads, d, 0, heads, p.out);
+      return;
+    }
     at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
       Scratch scratch(heads, d, tile_blocks * bs);
       for (int64_t i = begin; i < end; ++i) {

@@ -24,8 +24,6 @@ log = logging.getLogger(__name__)
 KERNEL_DIR = Path(__file__).resolve().parent / "cpu_kernels"
 # packed_gemm.cpp first: it compiles longest (<torch/extension.h>)
 SOURCES = (KERNEL_DIR / "packed_gemm.cpp", KERNEL_DIR / "fused_layer.cpp")
-# fused_layer.cpp includes the attention kernels' decode and row helpers from here
-ATTENTION_DIR = KERNEL_DIR.parents[2] / "attention" / "cpu_kernels"
 
 
 def packed_compile_flags() -> list[str]:
@@ -36,16 +34,29 @@ def packed_compile_flags() -> list[str]:
     return flags
 
 
-def module_name(flags: list[str]) -> str:
+def module_name(flags: list[str], kernel_dir: Path = KERNEL_DIR) -> str:
     """Unique per version of this directory's sources and of the attention headers they
-    include (the attention directory's hash stands in the name's inputs beside the flags)."""
-    attention = sources_module_name("attention", ATTENTION_DIR, flags)
-    return sources_module_name("pdserve_packed_gemm", KERNEL_DIR, flags + [attention])
+    include (fused_layer.cpp includes the attention kernels' decode and row helpers: that
+    directory's hash stands in the name's inputs beside the flags)."""
+    attention_dir = kernel_dir.parents[2] / "attention" / "cpu_kernels"
+    attention = sources_module_name("attention", attention_dir, flags)
+    return sources_module_name("pdserve_packed_gemm", kernel_dir, flags + [attention])
 
 
-def _build_or_import() -> ModuleType:
+def _build_or_import(kernel_dir: Path = KERNEL_DIR) -> ModuleType:
     flags = packed_compile_flags()
-    return build_or_import(module_name(flags), SOURCES, flags, "packed-weight GEMM kernels")
+    sources = tuple(kernel_dir / p.name for p in SOURCES)
+    return build_or_import(module_name(flags, kernel_dir), sources, flags,
+                           f"packed-weight GEMM kernels ({kernel_dir})")
+
+
+def build_checkout_kernels(root: Path) -> ModuleType:
+    """The packed kernels built from the checkout at `root` (its sources, this build's flags
+    and cache): bench/kernel_ab.py times another version's kernels beside this one's."""
+    kernel_dir = Path(root).resolve() / KERNEL_DIR.relative_to(KERNEL_DIR.parents[3])
+    if not all((kernel_dir / p.name).is_file() for p in SOURCES):
+        raise ValueError(f"{root} has no packed-kernel sources under {kernel_dir}")
+    return _build_or_import(kernel_dir)
 
 
 @functools.lru_cache(maxsize=1)

@@ -9,9 +9,10 @@
 //
 // Exactness: every output element is computed by the same inner function, in the same summation
 // order, as the seven calls of the module path (packed_kernels.h's gemm_columns, the same
-// silu_mul, rms_row, rope_row, store_row and decode_item): only which thread computes which
-// GEMM row or attention head differs, and no result depends on that. So the layer's output is
-// bit-identical to packed_layer.py's seven calls.
+// silu_mul, rms_row, rope_row, store_row, and decode_item or, at batch 1, decode_part and
+// merge_parts): only which thread computes which GEMM row, attention head or context part
+// differs, and no result depends on that. So the layer's output is bit-identical to
+// packed_layer.py's seven calls.
 //
 // Only for decodes at fewer rows than the packed GEMM's panel path (M < PANEL_MIN_M): the
 // caller (packed_layer.py) takes the seven calls otherwise.
@@ -71,9 +72,63 @@ struct Layer {
   const float *cos, *sin;  // [T, d]
   const int64_t* slots;    // [T]
   float* buf;  // h [nt, T, hidden] | qkv [T, (H + 2 kvh) d] | q, attn [T, H d] | x1 [T, hidden]
-               // | y [T, 2 I] | g [T, I]
+               // | y [T, 2 I] | g [T, I] | batch 1: attention parts [DecodeParts::floats]
+               // and each thread's own queries and attention [nt, 2, H d]
   float* out;  // [T, hidden]
 };
+
+// Rotary on the queries and keys of thread i's (token, kv head) items of n, their K/V written:
+// qkv [T, (H + 2 kvh) d] -> q [T, H, d] and the caches.
+template <typename T>
+void rope_items(const Layer& L, T* kc, T* vc, const float* qkv, float* q, int n, int i) {
+  const int64_t H = L.heads, kvh = L.kvh, d = L.d, nqkv = (H + 2 * kvh) * d, group = H / kvh;
+  std::vector<float> k(d);
+  for (int64_t it = split(L.T * kvh, i, n); it < split(L.T * kvh, i + 1, n); ++it) {
+    const int64_t r = it / kvh, kh = it % kvh;
+    const float* row = qkv + r * nqkv;
+    const float* c = L.cos + r * d;
+    const float* s = L.sin + r * d;
+    for (int64_t j = kh * group; j < (kh + 1) * group; ++j)
+      rope_row(row + j * d, c, s, q + (r * H + j) * d, d);
+    rope_row(row + (H + kh) * d, c, s, k.data(), d);
+    store_row(k.data(), kc + (L.slots[r] * kvh + kh) * d, d);
+    store_row(row + (H + kvh + kh) * d, vc + (L.slots[r] * kvh + kh) * d, d);
+  }
+}
+
+// Batch 1's attention on thread i of n, after the qkv GEMM (decode_attention.h's parts): every
+// thread rotates all the query heads into its own rows, the last thread (it runs the last part,
+// the one that holds the new token) also writes the token's K/V, the parts run, one barrier,
+// and every thread merges every head into its own rows (a few hundred floats, the same values
+// on each), which it returns [H d] for its share of the o GEMM. A part reads nothing another
+// thread writes before the merge, so this takes one barrier where rotary, attention and a
+// shared output took three. own: [2, H d] (queries, attention), this thread's.
+template <typename T>
+const float* attend_one(const Layer& L, const DecodeProblem<T>& att, T* kc, T* vc,
+                        const float* qkv, int64_t tile_blocks, float* parts_buf, float* own,
+                        int n, int i) {
+  const int64_t H = L.heads, kvh = L.kvh, d = L.d;
+  for (int64_t j = 0; j < H; ++j) rope_row(qkv + j * d, L.cos, L.sin, own + j * d, d);
+  if (i == n - 1) {
+    std::vector<float> k(d);
+    for (int64_t kh = 0; kh < kvh; ++kh) {
+      rope_row(qkv + (H + kh) * d, L.cos, L.sin, k.data(), d);
+      store_row(k.data(), kc + (L.slots[0] * kvh + kh) * d, d);
+      store_row(qkv + (H + kvh + kh) * d, vc + (L.slots[0] * kvh + kh) * d, d);
+    }
+  }
+  DecodeProblem<T> mine = att;
+  mine.query = own;
+  const DecodeParts parts(parts_buf, H, d);
+  {
+    Scratch scratch(H, d, tile_blocks * att.block_size);
+    for (int64_t p = split(kDecodeParts, i, n); p < split(kDecodeParts, i + 1, n); ++p)
+      decode_part(mine, 0, p, tile_blocks, scratch, parts);
+  }
+#pragma omp barrier
+  merge_parts(parts, H, d, 0, H, own + H * d);
+  return own + H * d;
+}
 
 // The layer's phases on thread i of the n in the calling parallel region (buffers as Layer.buf
 // lays them out for nt threads), a barrier between phases; the caller's region ends or
@@ -82,7 +137,7 @@ template <typename T>
 void layer_phases(const Layer& L, const DecodeProblem<T>& att, T* kc, T* vc,
                   int64_t tile_blocks, int nt, int n, int i) {
   const int64_t Tn = L.T, hid = L.hidden, H = L.heads, kvh = L.kvh, d = L.d, I = L.inter;
-  const int64_t nqkv = (H + 2 * kvh) * d, group = H / kvh;
+  const int64_t nqkv = (H + 2 * kvh) * d;
   float* hbuf = L.buf;                    // [nt, T, hidden]: each thread's own normed rows
   float* qkv = hbuf + nt * Tn * hid;      // [T, nqkv]
   float* q = qkv + Tn * nqkv;             // [T, H, d] rotated queries
@@ -98,29 +153,20 @@ void layer_phases(const Layer& L, const DecodeProblem<T>& att, T* kc, T* vc,
     columns_share(gemm_of(L.qkv, h, hid, Tn, hid, nullptr, 0, qkv), L.qkv.qtype,
                   split(nqkv, i, n), split(nqkv, i + 1, n));
 #pragma omp barrier
-    {  // rotary on the queries and keys of this thread's (token, kv head) items, K/V written
-      std::vector<float> k(d);
-      for (int64_t it = split(items, i, n); it < split(items, i + 1, n); ++it) {
-        const int64_t r = it / kvh, kh = it % kvh;
-        const float* row = qkv + r * nqkv;
-        const float* c = L.cos + r * d;
-        const float* s = L.sin + r * d;
-        for (int64_t j = kh * group; j < (kh + 1) * group; ++j)
-          rope_row(row + j * d, c, s, q + (r * H + j) * d, d);
-        rope_row(row + (H + kh) * d, c, s, k.data(), d);
-        store_row(k.data(), kc + (L.slots[r] * kvh + kh) * d, d);
-        store_row(row + (H + kvh + kh) * d, vc + (L.slots[r] * kvh + kh) * d, d);
-      }
-    }
+    const float* o_in = attn;  // the o GEMM's input rows [T, H d]
+    if (Tn == 1) {
+      float* parts = g + I;  // batch 1's parts, then each thread's own [2, H d]
+      o_in = attend_one(L, att, kc, vc, qkv, tile_blocks, parts,
+                        parts + DecodeParts::floats(H, d) + i * 2 * H * d, n, i);
+    } else {
+      rope_items(L, kc, vc, qkv, q, n, i);
 #pragma omp barrier
-    {
       Scratch scratch(H, d, tile_blocks * att.block_size);
       for (int64_t it = split(items, i, n); it < split(items, i + 1, n); ++it)
-        decode_item(att, it / kvh, it % kvh, it % kvh + 1, tile_blocks,
-                                            scratch);
-    }
+        decode_item(att, it / kvh, it % kvh, it % kvh + 1, tile_blocks, scratch);
 #pragma omp barrier
-    columns_share(gemm_of(L.o, attn, H * d, Tn, H * d, L.x, L.sx, x1), L.o.qtype,
+    }
+    columns_share(gemm_of(L.o, o_in, H * d, Tn, H * d, L.x, L.sx, x1), L.o.qtype,
                   split(hid, i, n), split(hid, i + 1, n));
 #pragma omp barrier
     for (int64_t r = 0; r < Tn; ++r) rms_row(x1 + r * hid, L.ln2, L.eps, hid, h + r * hid);
@@ -230,7 +276,8 @@ Layer layer_of(const char* fn, const Step& s, const Weights& w, double eps, cons
 
 // Floats of Layer.buf for nt threads (see Layer)
 int64_t buf_floats(const Step& s, int64_t inter, int nt) {
-  return (nt + 1) * s.T * s.hidden + s.T * s.nqkv + 2 * s.T * s.q_size + 3 * s.T * inter;
+  return (nt + 1) * s.T * s.hidden + s.T * s.nqkv + 2 * s.T * s.q_size + 3 * s.T * inter +
+         DecodeParts::floats(s.heads, s.d) + nt * 2 * s.q_size;
 }
 
 // The attention problem of a layer whose buffers are laid out from bp (see layer_phases)
