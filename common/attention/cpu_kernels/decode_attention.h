@@ -349,7 +349,7 @@ void decode_range(const DecodeProblem<T>& p, int64_t r, int64_t h0, int64_t h1, 
   const int64_t group = p.num_heads / kvh;
   const int64_t nh = (h1 - h0) * group;  // query heads of this item
   const int64_t tile = tile_blocks * bs;
-    const int32_t* table = p.block_tables + r * p.table_width;
+  const int32_t* table = p.block_tables + r * p.table_width;
   const int64_t row_stride = kvh * d;  // between consecutive tokens of one kv head in a block
 
   // the item's query heads are contiguous
@@ -432,8 +432,8 @@ void decode_item(const DecodeProblem<T>& p, int64_t r, int64_t h0, int64_t h1, i
 // One decode request (batch 1) runs as kDecodeParts block-aligned parts of its context, each
 // over every kv head, merged after (split-KV, as flash-decoding does on GPUs). Why: by kv head
 // SmolLM2's 3 heads left one of 2 threads idle for a third of every layer's attention, and a
-// part reads whole blocks front to back. On the Zen 5 the batch-1 step ran 3.7% faster
-// (bench/packed_stack_ab.py). The parts are fixed, not one per thread, so the result is the
+// part reads whole blocks front to back. On the Zen 5 the batch-1 step ran 1.068x faster, in
+// one process against the kernels before (bench/kernel_ab.py, docs/packed-weights.md). The parts are fixed, not one per thread, so the result is the
 // same at any thread count, and every decode path (paged_decode, the fused packed layer) splits
 // and merges alike: their outputs stay equal.
 constexpr int64_t kDecodeParts = 2;
