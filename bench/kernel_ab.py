@@ -20,41 +20,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 from pathlib import Path
 
 
 def main(argv=None) -> int:
     from pdserve.bench.offline import cpu_name
-    from pdserve.bench.offline_engine import add_served_engine_args, served_engine_config
-    from pdserve.bench.packed_stack_ab import _median_step_ms
-    from pdserve.common.engine.cli import add_weights_arg
+    from pdserve.bench.packed_stack_ab import _median_step_ms, batch1_engine, parse_step_ab_args
+    from pdserve.common.models.quant.cpu_native import build_checkout_kernels
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--a", type=Path, required=True, help="repository root of variant a")
     ap.add_argument("--b", type=Path, default=Path(__file__).resolve().parents[1],
                     help="repository root of variant b (default: this checkout)")
-    ap.add_argument("--model", default="smollm2")
-    add_weights_arg(ap)
-    add_served_engine_args(ap)
-    ap.add_argument("--input-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--num-threads", type=int, default=2)
-    args = ap.parse_args(argv)
-    if not (1 <= args.rounds <= 200 and 2 <= args.output_len <= 4096):
-        raise ValueError("--rounds must be 1..200 and --output-len 2..4096")
-    import random
-
-    import torch
-
-    torch.set_num_threads(args.num_threads)
-    from pdserve.common.engine.llm import LLM
-    from pdserve.common.models.quant.cpu_native import build_checkout_kernels
-
+    args = parse_step_ab_args(ap, argv, rounds=20)
     kernels = {"a": build_checkout_kernels(args.a), "b": build_checkout_kernels(args.b)}
-    core = LLM(served_engine_config(args, args.weights, args.kv_cache_dtype, 1,
-                                    args.input_len + args.output_len + 2)).engine
+    core = batch1_engine(args)
     model, rng, vocab = core.model, random.Random(0), core.model_config.vocab_size
     if model._packed_stack is None:
         raise ValueError("this engine has no packed stack (fp32 weights or no native build)")

@@ -31,29 +31,44 @@ def _median_step_ms(core, rng, vocab: int, input_len: int, output_len: int) -> f
     return statistics.median(times[1:]) * 1e3  # the first step is the prefill
 
 
-def main(argv=None) -> int:
-    from pdserve.bench.offline import cpu_name
-    from pdserve.bench.offline_engine import add_served_engine_args, served_engine_config
+def parse_step_ab_args(ap: argparse.ArgumentParser, argv, rounds: int) -> argparse.Namespace:
+    """The engine and workload flags of a batch-1 step A/B (this module, kernel_ab.py), parsed
+    and bounded; torch's thread count set from them."""
+    from pdserve.bench.offline_engine import add_served_engine_args
     from pdserve.common.engine.cli import add_weights_arg
 
-    ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2")
     add_weights_arg(ap)
     add_served_engine_args(ap)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--num-threads", type=int, default=2)
     args = ap.parse_args(argv)
-    if not (1 <= args.rounds <= 100 and 2 <= args.output_len <= 4096):
-        raise ValueError("--rounds must be 1..100 and --output-len 2..4096")
+    if not (1 <= args.rounds <= 200 and 2 <= args.output_len <= 4096
+            and 1 <= args.input_len <= 8192 and 1 <= args.num_threads <= 256):
+        raise ValueError("--rounds must be 1..200, --output-len 2..4096, --input-len 1..8192 "
+                         "and --num-threads 1..256")
     import torch
 
     torch.set_num_threads(args.num_threads)
+    return args
+
+
+def batch1_engine(args):
+    """The engine `pdserve serve` runs with these flags, sized for one request."""
+    from pdserve.bench.offline_engine import served_engine_config
     from pdserve.common.engine.llm import LLM
 
-    core = LLM(served_engine_config(args, args.weights, args.kv_cache_dtype, 1,
+    return LLM(served_engine_config(args, args.weights, args.kv_cache_dtype, 1,
                                     args.input_len + args.output_len + 2)).engine
+
+
+def main(argv=None) -> int:
+    from pdserve.bench.offline import cpu_name
+
+    args = parse_step_ab_args(argparse.ArgumentParser(description=__doc__), argv, rounds=5)
+    core = batch1_engine(args)
     model, rng, vocab = core.model, random.Random(0), core.model_config.vocab_size
     stack = model._packed_stack
     if stack is None:
