@@ -57,10 +57,22 @@ def test_stack_is_bit_identical_to_one_call_per_layer(tmp_path, batch, kv_dtype)
     assert not torch.equal(caches[0], layer_caches[0].zero_())  # the step wrote K/V
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_stack_equals_the_module_path(tmp_path, batch):
+@pytest.mark.parametrize("batch,threads", [(1, None), (3, None), (1, 1), (1, 3)])
+def test_stack_equals_the_module_path(tmp_path, batch, threads):
     """Steps of 1 or 3 decodes run every layer in one native call, with logprobs equal to the
-    module path's, over contexts that cross cache blocks."""
+    module path's, over contexts that cross cache blocks. Batch 1 also at 1 thread and at more
+    threads than its attention has context parts (a thread with no part; the last one writes
+    the token's K/V)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        _stack_equals_the_module_path(tmp_path, batch)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _stack_equals_the_module_path(tmp_path, batch):
     ours, model = packed_model(tmp_path)
     stack, calls = model._packed_stack, []
     object.__setattr__(stack, "forward", lambda gemm, x, kv, step, f=type(stack).forward:
