@@ -463,6 +463,15 @@ void decode_part(const DecodeProblem<T>& p, int64_t r, int64_t part, int64_t til
   std::copy(s.acc.begin(), s.acc.begin() + H * d, parts.acc + part * H * d);
 }
 
+// Parts [part0, part1) of request r on the calling thread (one scratch for them all).
+template <typename T>
+void decode_parts(const DecodeProblem<T>& p, int64_t r, int64_t part0, int64_t part1,
+                  int64_t tile_blocks, const DecodeParts& parts) {
+  Scratch scratch(p.num_heads, p.head_dim, tile_blocks * p.block_size);
+  for (int64_t part = part0; part < part1; ++part)
+    decode_part(p, r, part, tile_blocks, scratch, parts);
+}
+
 // Query heads [j0, j1) of the merged parts, normalised into out [H, d] (parts in order; an
 // empty part weighs exp(-inf) = 0).
 inline void merge_parts(const DecodeParts& parts, int64_t H, int64_t d, int64_t j0, int64_t j1,

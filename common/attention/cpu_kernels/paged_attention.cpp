@@ -102,9 +102,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache,
       const DecodeParts parts(buf.data(), heads, d);
       at::parallel_for(0, kDecodeParts, grain == 1 ? 1 : kDecodeParts,
                        [&](int64_t begin, int64_t end) {
-        Scratch scratch(heads, d, tile_blocks * bs);
-        for (int64_t part = begin; part < end; ++part)
-          decode_part(p, 0, part, tile_blocks, scratch, parts);
+        decode_parts(p, 0, begin, end, tile_blocks, parts);
       });
       merge_parts(parts, heads, d, 0, heads, p.out);
       return;

@@ -77,6 +77,17 @@ struct Layer {
   float* out;  // [T, hidden]
 };
 
+// Token r's key of kv head kh rotated (into k [d]) and written to the cache with its value:
+// row is the token's qkv row [(H + 2 kvh) d].
+template <typename T>
+void store_token_kv(const Layer& L, T* kc, T* vc, const float* row, int64_t r, int64_t kh,
+                    float* k) {
+  const int64_t H = L.heads, kvh = L.kvh, d = L.d;
+  rope_row(row + (H + kh) * d, L.cos + r * d, L.sin + r * d, k, d);
+  store_row(k, kc + (L.slots[r] * kvh + kh) * d, d);
+  store_row(row + (H + kvh + kh) * d, vc + (L.slots[r] * kvh + kh) * d, d);
+}
+
 // Rotary on the queries and keys of thread i's (token, kv head) items of n, their K/V written:
 // qkv [T, (H + 2 kvh) d] -> q [T, H, d] and the caches.
 template <typename T>
@@ -90,9 +101,7 @@ void rope_items(const Layer& L, T* kc, T* vc, const float* qkv, float* q, int n,
     const float* s = L.sin + r * d;
     for (int64_t j = kh * group; j < (kh + 1) * group; ++j)
       rope_row(row + j * d, c, s, q + (r * H + j) * d, d);
-    rope_row(row + (H + kh) * d, c, s, k.data(), d);
-    store_row(k.data(), kc + (L.slots[r] * kvh + kh) * d, d);
-    store_row(row + (H + kvh + kh) * d, vc + (L.slots[r] * kvh + kh) * d, d);
+    store_token_kv(L, kc, vc, row, r, kh, k.data());
   }
 }
 
@@ -107,24 +116,17 @@ template <typename T>
 const float* attend_one(const Layer& L, const DecodeProblem<T>& att, T* kc, T* vc,
                         const float* qkv, int64_t tile_blocks, float* parts_buf, float* own,
                         int n, int i) {
-  const int64_t H = L.heads, kvh = L.kvh, d = L.d;
+  const int64_t H = L.heads, d = L.d;
   for (int64_t j = 0; j < H; ++j) rope_row(qkv + j * d, L.cos, L.sin, own + j * d, d);
   if (i == n - 1) {
     std::vector<float> k(d);
-    for (int64_t kh = 0; kh < kvh; ++kh) {
-      rope_row(qkv + (H + kh) * d, L.cos, L.sin, k.data(), d);
-      store_row(k.data(), kc + (L.slots[0] * kvh + kh) * d, d);
-      store_row(qkv + (H + kvh + kh) * d, vc + (L.slots[0] * kvh + kh) * d, d);
-    }
+    for (int64_t kh = 0; kh < L.kvh; ++kh) store_token_kv(L, kc, vc, qkv, 0, kh, k.data());
   }
   DecodeProblem<T> mine = att;
   mine.query = own;
   const DecodeParts parts(parts_buf, H, d);
-  {
-    Scratch scratch(H, d, tile_blocks * att.block_size);
-    for (int64_t p = split(kDecodeParts, i, n); p < split(kDecodeParts, i + 1, n); ++p)
-      decode_part(mine, 0, p, tile_blocks, scratch, parts);
-  }
+  decode_parts(mine, 0, split(kDecodeParts, i, n), split(kDecodeParts, i + 1, n), tile_blocks,
+               parts);
 #pragma omp barrier
   merge_parts(parts, H, d, 0, H, own + H * d);
   return own + H * d;
