@@ -9,8 +9,10 @@ the next process's with the same kernels (3.5 to 4.2 ms within an hour on the Ze
 most kernel changes gain; in one process, alternating rounds (ABAB, then BABA), both variants
 see the same drift. --a and --b are repository roots (--b defaults to this checkout); each
 one's common/models/quant/cpu_kernels (and the attention headers it includes) is built into its
-own module, cached by source hash like the engine's. The engine is this checkout's; only the
-packed decoder stack's kernels are swapped (the LM head stays on this checkout's). Each round
+own module, cached by source hash like the engine's. The engine is this checkout's; the
+packed kernels of the decoder stack and of the packed LM head are swapped (quant/gemm.py's
+kernel lookup is patched for the round, so a change to the M = 1 kernels that the LM head runs
+is timed too; the embedding's row lookup stays on this checkout's). Each round
 runs one --input-len prompt for --output-len greedy tokens per variant and takes the median
 decode step; prints the rounds, the medians, the ratio a / b (> 1: b is faster), how many
 rounds b won, the CPU, then one JSON line.
@@ -23,11 +25,13 @@ import json
 import random
 import statistics
 from pathlib import Path
+from unittest import mock
 
 
 def main(argv=None) -> int:
     from pdserve.bench.offline import cpu_name
     from pdserve.bench.packed_stack_ab import _median_step_ms, batch1_engine, parse_step_ab_args
+    from pdserve.common.models.quant import gemm
     from pdserve.common.models.quant.cpu_native import build_checkout_kernels
 
     ap = argparse.ArgumentParser(description=__doc__)
@@ -44,8 +48,10 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         for name in ("a", "b") if r % 2 == 0 else ("b", "a"):
             model._packed_gemm = kernels[name]
-            _median_step_ms(core, rng, vocab, args.input_len, 8)  # this variant's caches warm
-            runs[name].append(_median_step_ms(core, rng, vocab, args.input_len, args.output_len))
+            with mock.patch.object(gemm, "load_packed_kernels", lambda k=kernels[name]: k):
+                _median_step_ms(core, rng, vocab, args.input_len, 8)  # this variant's caches warm
+                runs[name].append(_median_step_ms(core, rng, vocab, args.input_len,
+                                                  args.output_len))
     med = {k: statistics.median(v) for k, v in runs.items()}
     ratio = med["a"] / med["b"]
     b_won = sum(b < a for a, b in zip(runs["a"], runs["b"]))

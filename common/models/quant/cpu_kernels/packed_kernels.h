@@ -349,6 +349,32 @@ struct Gemm {
   }
 };
 
+// Bytes of weight rows requested ahead of the row being multiplied (prefetcht0). A decode
+// step reads every weight once, from L3 or DRAM, and each GEMM is short (a few hundred KB per
+// thread) for the hardware prefetcher's ramp-up; what bounds a thread's read rate is then the
+// bytes it has in flight over the memory latency. Counted in bytes, not rows: SmolLM2's rows
+// run from 360 bytes (Q4_1, K = 576) to 960 (Q4_1 down) and 612 (its Q8_0 LM head).
+#ifndef PDSERVE_PREFETCH_BYTES
+#define PDSERVE_PREFETCH_BYTES 4096
+#endif
+constexpr int64_t kPrefetchBytes = PDSERVE_PREFETCH_BYTES;
+
+inline void prefetch_row(const Gemm& g, int64_t n) {
+  const uint8_t* r = g.w + n * g.row_bytes;
+  for (int64_t b = 0; b < g.row_bytes; b += 64) __builtin_prefetch(r + b, 0, 3);
+}
+
+// row(n) for n in [n0, n1), each row's bytes requested kPrefetchBytes ahead of its turn.
+template <typename F>
+inline void rows_prefetched(const Gemm& g, int64_t n0, int64_t n1, F&& row) {
+  const int64_t ahead = std::max<int64_t>(1, (kPrefetchBytes + g.row_bytes - 1) / g.row_bytes);
+  for (int64_t n = n0; n < std::min(n1, n0 + ahead); ++n) prefetch_row(g, n);
+  for (int64_t n = n0; n < n1; ++n) {
+    if (n + ahead < n1) prefetch_row(g, n + ahead);
+    row(n);
+  }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr int NV = QK / VL;  // vectors per block
 constexpr int MT = VL == 16 ? 4 : 2;  // activation rows per register tile (acc = MT * NV regs)
@@ -440,24 +466,13 @@ inline void dot_q4_lut(const Gemm& g, int64_t n, int64_t m0) {
     g.store(m0 + r, n, vsum(vadd(vadd(acc[r][0], acc[r][1]), vadd(acc[r][2], acc[r][3]))));
 }
 
-// Rows ahead of the one being multiplied whose bytes are requested (prefetcht0): a decode step
-// reads every weight once, from L3 or DRAM, and each GEMM is short (a few hundred KB per
-// thread) for the hardware prefetcher's ramp-up. On the Zen 5 (2 threads, 30 layers' Q4_1 at
-// M = 1) 6 rows ran 2.7 ms where none ran 4.0 and 12 rows 3.7 (one locked run each, noisy).
-constexpr int64_t kRowsAhead = 6;
-
 template <int64_t QT>
 void q4_lut_columns(const Gemm& g, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < std::min(n1, n0 + kRowsAhead); ++n)
-      for (int64_t b = 0; b < g.row_bytes; b += 64) __builtin_prefetch(g.w + n * g.row_bytes + b, 0, 3);
-  for (int64_t n = n0; n < n1; ++n) {
-    if (n + kRowsAhead < n1)
-      for (int64_t b = 0; b < g.row_bytes; b += 64)
-        __builtin_prefetch(g.w + (n + kRowsAhead) * g.row_bytes + b, 0, 3);
+  rows_prefetched(g, n0, n1, [&](int64_t n) {
     int64_t m = 0;
     for (; m + 2 <= g.M; m += 2) dot_q4_lut<QT, 2>(g, n, m);
     if (m < g.M) dot_q4_lut<QT, 1>(g, n, m);
-  }
+  });
 }
 #define PDSERVE_Q4_LUT 1
 #endif
@@ -470,11 +485,11 @@ void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
     return;
   }
 #endif
-  for (int64_t n = n0; n < n1; ++n) {
+  rows_prefetched(g, n0, n1, [&](int64_t n) {
     int64_t m = 0;
     for (; m + MT <= g.M; m += MT) dot_tile<QT, MT>(g, n, m);
     for (; m < g.M; ++m) dot_tile<QT, 1>(g, n, m);
-  }
+  });
 }
 
 template <int64_t QT>
