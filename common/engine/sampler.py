@@ -71,11 +71,11 @@ class Sampler:
             logits = self._mask_grammars(logits if logits is not raw else raw.clone(), reqs)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if not rows:
-            tokens = sample_ops.argmax(logits)
+            tokens = sample_native.argmax(logits, self.use_native)
         elif len(rows) == len(reqs):
             tokens = _sample(logits, reqs, self.use_native)
         else:
-            tokens = sample_ops.argmax(logits)  # greedy rows; the random ones are overwritten
+            tokens = sample_native.argmax(logits, self.use_native)  # random rows overwritten below
             tokens[rows] = _sample(logits[rows], [reqs[i] for i in rows], self.use_native)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, _logprobs(raw, reqs, token_list))

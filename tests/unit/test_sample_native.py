@@ -109,6 +109,28 @@ def test_nan_rows_give_token_zero_on_both_paths(native):
     assert got[:2].tolist() == want[:2].tolist() == [0, 0]
 
 
+def test_argmax_is_torchs(native):
+    """Greedy rows: the native argmax gives torch.argmax's index, ties to the first max, a
+    row's first NaN, 0 for an all -inf row, strided rows and a tail past the vector width."""
+    gen = torch.Generator().manual_seed(5)
+    for v in (1, 7, 16, 33, 3000, 49_153):
+        logits = torch.randn(6, v, generator=gen) * 4
+        logits[1] = float("-inf")
+        if v > 3:
+            logits[2, v - 1] = logits[2, 2] = logits[2].max() + 1  # a tie: the first wins
+            logits[3, v // 2] = float("nan")
+            logits[3, v - 1] = float("nan")
+            logits[4, v - 1] = float("inf")
+        want = torch.argmax(logits, dim=-1)
+        assert torch.equal(native.argmax_rows(logits), want), v
+        assert torch.equal(sample_native.argmax(logits), want)
+        assert torch.equal(sample_ops.argmax(logits), want)
+    wide = torch.cat([logits, torch.full((6, 11), 1e9)], dim=1)[:, :v]  # row stride v + 11
+    assert torch.equal(native.argmax_rows(wide), torch.argmax(logits, dim=-1))
+    with pytest.raises(ValueError, match="logits must be"):
+        native.argmax_rows(logits.double())
+
+
 def test_strided_rows_and_bad_arguments(native):
     logits, inv_temp, min_p, u = batch(8, 1000, seed=3)
     wide = torch.cat([logits, torch.zeros(8, 24)], dim=1)[:, :1000]  # row stride 1024

@@ -30,6 +30,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_weights", &sample_weights,
         "Sampling weights exp((x - max) * inv_temp), clamped and flushed (CPU, fp32)", release(),
         py::arg("logits"), py::arg("inv_temp"), py::arg("floor"), py::arg("flush"));
+  m.def("argmax_rows", &argmax_rows, "The first index of each row's max, as torch.argmax (CPU, "
+        "fp32)", release(), py::arg("logits"));
   m.def("sample_rows", &sample_rows,
         "Fused temperature + min-p inverse-CDF sampling of each row (CPU, fp32)", release(),
         py::arg("logits"), py::arg("inv_temp"), py::arg("min_p"), py::arg("u"),

@@ -176,6 +176,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 // sampling.cpp
 at::Tensor sample_weights(const at::Tensor& logits, const at::Tensor& inv_temp, double floor,
                           double flush);
+at::Tensor argmax_rows(const at::Tensor& logits);
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& inv_temp,
                        const at::Tensor& min_p, const at::Tensor& u, double floor,
                        double flush);

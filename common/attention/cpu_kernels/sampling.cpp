@@ -211,6 +211,28 @@ int64_t pick(const double* cum, int64_t m, double target, double* before) {
   return j;
 }
 
+// The first index of the row's max, as torch.argmax: the first NaN if the row has one.
+int64_t row_argmax(const float* x, int64_t n) {
+  const float m = row_max(x, n);
+  if (std::isnan(m)) return std::find_if(x, x + n, [](float v) { return std::isnan(v); }) - x;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 vm = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) {
+    const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), vm, _CMP_EQ_OQ);
+    if (eq) return i + __builtin_ctz(eq);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 vm = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) {
+    const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vm, _CMP_EQ_OQ));
+    if (eq) return i + __builtin_ctz(eq);
+  }
+#endif
+  while (i < n && x[i] != m) ++i;
+  return i;
+}
+
 void check_rows(const char* fn, const at::Tensor& logits) {
   TORCH_CHECK_VALUE(logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
                         logits.device().is_cpu() && logits.stride(1) == 1 &&
@@ -295,6 +317,21 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& inv_temp,
       for (int64_t j = 0; j < len; ++j) inner[j] = ci += w[j];
       out[r] = b * BLOCK + pick(inner.data(), len, rest, &before);
     }
+  });
+  return tokens;
+}
+
+// logits [n, V] fp32 -> [n] int64: each row's torch.argmax (greedy rows), two vector passes
+// (the max, then its first index) in one call where torch's blocked form took seven ops.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  check_rows("argmax_rows", logits);
+  const int64_t n = logits.size(0), v = logits.size(1);
+  at::Tensor tokens = logits.new_empty({n}, logits.options().dtype(at::kLong));
+  const float* xp = logits.data_ptr<float>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  const int64_t stride = logits.stride(0);
+  at::parallel_for(0, n, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) out[r] = row_argmax(xp + r * stride, v);
   });
   return tokens;
 }
