@@ -86,14 +86,38 @@ inline void axpy(float* y, float a, const T* x, int64_t n) {
   for (; i < n; ++i) y[i] += a * to_f32(x[i]);
 }
 
+#ifndef PDSERVE_PF_LOCALITY  // 3: into L1 (2, into L2 only, ran 0.96-0.98x there)
+#define PDSERVE_PF_LOCALITY 3
+#endif
 // Ask for the cache lines of one d-element row (a GCC/Clang builtin: no ISA dependence).
 template <typename T>
 inline void prefetch_row(const T* row, int64_t d) {
-  for (int64_t i = 0; i < d; i += 64 / sizeof(T)) __builtin_prefetch(row + i, 0, 3);
+  for (int64_t i = 0; i < d; i += 64 / sizeof(T))
+    __builtin_prefetch(row + i, 0, PDSERVE_PF_LOCALITY);
 }
 
 inline void scale_inplace(float* y, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= a;
+}
+
+// max(x[0:n]), n >= 1: the value std::max_element finds (max is exact in any order), but 8 lanes
+// at a time; std::max_element's scalar compare chain cost ~1-2 cycles per score, for every
+// (query head, token) of a decode.
+inline float max_of(const float* x, int64_t n) {
+  int64_t i = 0;
+  float mx = -std::numeric_limits<float>::infinity();
+#ifdef PDSERVE_AVX2
+  if (n >= 8) {
+    __m256 mv = _mm256_loadu_ps(x);
+    for (i = 8; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    mx = _mm_cvtss_f32(h);
+  }
+#endif
+  for (; i < n; ++i) mx = std::max(mx, x[i]);
+  return mx;
 }
 
 // x[0:n] = exp(x[0:n] - m); returns the sum of the results.
@@ -324,9 +348,18 @@ struct DecodeProblem {
   float scale;
 };
 
-// Prefetch distances in blocks, tuned on an EPYC at 16-token blocks: far enough ahead to cover
-// DRAM latency, near enough to stay in L1/L2 (K is needed first, V after the tile's softmax).
-constexpr int64_t kKAhead = 3, kVAhead = 2;
+// Prefetch distances in blocks. On the 2-core Zen 5 VM (B 64, context 320, in one process
+// against main's 3 / 2, docs/half-precision.md) 2 / 1 ran 1.10x (bf16 KV) and 1.14x (fp32)
+// faster, 5 / 4 ~0.9x: a block is 6-12 KB per request, so further ahead only fills the miss
+// queue with lines not needed yet. PDSERVE_K_AHEAD / PDSERVE_V_AHEAD override them at build time
+// (-D) for such comparisons.
+#ifndef PDSERVE_K_AHEAD
+#define PDSERVE_K_AHEAD 2
+#endif
+#ifndef PDSERVE_V_AHEAD
+#define PDSERVE_V_AHEAD 1
+#endif
+constexpr int64_t kKAhead = PDSERVE_K_AHEAD, kVAhead = PDSERVE_V_AHEAD;
 
 // Per-thread scratch, reused across the items a thread runs; sized for all H query heads.
 struct Scratch {
@@ -395,7 +428,7 @@ void decode_range(const DecodeProblem<T>& p, int64_t r, int64_t h0, int64_t h1, 
     // online softmax: rescale the running sums only when the max grows
     for (int64_t j = 0; j < nh; ++j) {
       float* sj = sc + j * tile;
-      const float mx = *std::max_element(sj, sj + n);
+      const float mx = max_of(sj, n);
       if (mx > m[j]) {
         const float alpha = std::exp(m[j] - mx);  // exp(-inf) = 0 on the first tile
         scale_inplace(acc + j * d, alpha, d);
