@@ -222,7 +222,7 @@ class AsyncEngine:
             self._step_log.observe(
                 t0, self.profile.num_tokens - tokens,
                 self.profile.num_sampled - sampled, t1 - t0,
-                self.profile.forward_ns - fwd, cpu, log_before)
+                self.profile.forward_ns - fwd, cpu, log_before, c0)
         if self._budget is not None and self.profile.num_steps != steps:
             self._budget.observe(self.profile.last_step_tokens, (t1 - t0) * 1e-9)
         self._timelines.observe(t0, t1)  # before publishing: see RequestTimeline

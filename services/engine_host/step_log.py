@@ -35,6 +35,11 @@ class StepLogRecord:
     ctx_max: int
     same_batch: bool  # the same requests ran in the previous step (no join, no leave)
     since_prompt: int  # steps since the last step with prompt tokens (1: the one before)
+    # from the previous step's end to this one's start (publish, commands, stats: the engine
+    # thread's own time between steps) and its CPU time in it; a gap that is mostly not CPU
+    # is a wait (for the GIL, for a core); the first step after an idle spell has a long gap
+    gap_ns: int = 0
+    gap_cpu_ns: int = 0
 
     def __post_init__(self) -> None:
         if min(self.tokens, self.sampled, self.wall_ns, self.running, self.ctx_sum) < 0:
@@ -54,6 +59,7 @@ class StepLog:
         self._records: list[StepLogRecord] = []
         self._prev_ids: frozenset = frozenset()
         self._since_prompt = 1 << 30  # no prompt step seen yet
+        self._end = (0, 0)  # the previous step's end: (time.time_ns, time.thread_time_ns)
 
     def before_step(self, running) -> tuple[frozenset, int, int, bool]:
         """(ids, context sum, context max, same batch as the previous step) of the requests
@@ -65,12 +71,17 @@ class StepLog:
         return ids, sum(ctx), max(ctx, default=0), same
 
     def observe(self, t_ns: int, tokens: int, sampled: int, wall_ns: int, forward_ns: int,
-                cpu_ns: int, before: tuple[frozenset, int, int, bool]) -> None:
+                cpu_ns: int, before: tuple[frozenset, int, int, bool],
+                start_cpu_ns: int = 0) -> None:
+        """`start_cpu_ns`: the engine thread's time.thread_time_ns() at the step's start."""
         ids, ctx_sum, ctx_max, same = before
+        gap, gap_cpu = (t_ns - self._end[0], start_cpu_ns - self._end[1]) if self._end[0] \
+            else (0, 0)
+        self._end = (t_ns + wall_ns, start_cpu_ns + cpu_ns)
         if len(self._records) < self._max:
             self._records.append(StepLogRecord(t_ns, tokens, sampled, wall_ns, forward_ns,
                                                cpu_ns, len(ids), ctx_sum, ctx_max, same,
-                                               self._since_prompt))
+                                               self._since_prompt, gap, gap_cpu))
         self._since_prompt = 1 if tokens > sampled else self._since_prompt + 1
 
     def flush(self) -> int:

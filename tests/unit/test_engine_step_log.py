@@ -33,6 +33,8 @@ def test_records_context_batch_change_and_steps_since_a_prompt(tmp_path):
     assert [r["same_batch"] for r in recs] == [True, False, True, False, True]
     assert [r["running"] for r in recs] == [0, 1, 1, 2, 2]
     assert recs[4]["ctx_sum"] == 504 and recs[4]["ctx_max"] == 303
+    assert recs[0]["gap_ns"] == 0  # no step before it
+    assert all(r["gap_ns"] == -9 for r in recs[1:])  # t 0..4 and walls of 10: starts 9 early
     assert log.flush() == 0  # nothing kept twice
     log.observe(5, 2, 2, 10, 8, 9, log.before_step(_reqs(("a", 304), ("b", 202))))
     log.flush()
@@ -101,6 +103,8 @@ def test_async_engine_writes_every_step_once_idle(tmp_path):
     assert [r["ctx_sum"] for r in recs] == [2, 3, 4, 5]
     assert all(r["tokens"] == r["sampled"] == r["running"] == 1 for r in recs)
     assert all(r["forward_ns"] == 1000 and r["wall_ns"] > 0 for r in recs)
+    assert recs[0]["gap_ns"] == 0 and all(r["gap_ns"] > 0 for r in recs[1:])
+    assert all(0 <= r["gap_cpu_ns"] for r in recs)
 
 
 def _rec(sampled, wall_ms, since, same=True, tokens=None, ctx=300):
