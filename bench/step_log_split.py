@@ -9,7 +9,10 @@ offline step at its batch (bench/itl_peer.py's interpolation, the median of the 
 and the ratios are split by: steps since the last step with prompt tokens, whether the batch's
 requests are the previous step's, the batch's mean context (KV tokens per row), and batch.
 Each group prints its count and median ratio; the forward's share of the step and the engine
-thread's CPU over wall are printed beside. Then one JSON line.
+thread's CPU over wall are printed beside. Also the engine-side ITL p50 (every step's period,
+start to the next step's start, weighted by the rows it sampled: what a stream sees leave the
+engine) against the step's own wall so weighted, and the engine thread's time between steps
+and its CPU share there. Then one JSON line.
 """
 
 from __future__ import annotations
@@ -77,6 +80,35 @@ def split(steps: Sequence[DecodeStep], key: Callable[[DecodeStep], str]) -> dict
             for k, v in sorted(groups.items())}
 
 
+BUSY_GAP_NS = 100_000_000  # a longer gap between two steps is an idle spell, not the loop's
+
+
+def weighted_median(pairs: Sequence[tuple[float, int]]) -> float:
+    """Median of values each repeated `weight` times."""
+    total, acc = sum(w for _, w in pairs), 0
+    for v, w in sorted(pairs):
+        acc += w
+        if 2 * acc >= total:
+            return v
+    raise ValueError("no weight to take a median of")
+
+
+def between_steps(records: Sequence[Mapping]) -> dict:
+    """Token-weighted medians of the step's wall and of its period (to the next step's start),
+    in ms, and the medians of the gaps between busy steps and of the CPU in them."""
+    recs = sorted(records, key=lambda r: r["t_ns"])
+    walls = [(r["wall_ns"] / 1e6, r["sampled"]) for r in recs if r["sampled"]]
+    periods = [((b["t_ns"] - a["t_ns"]) / 1e6, a["sampled"]) for a, b in zip(recs, recs[1:])
+               if a["sampled"] and b.get("gap_ns", 0) < BUSY_GAP_NS]
+    gaps = [r for r in recs[1:] if 0 < r.get("gap_ns", 0) < BUSY_GAP_NS]
+    return {"engine_step_wall_p50_ms": round(weighted_median(walls), 2) if walls else None,
+            "engine_itl_p50_ms": round(weighted_median(periods), 2) if periods else None,
+            "gap_p50_ms": round(statistics.median(r["gap_ns"] for r in gaps) / 1e6, 3)
+            if gaps else None,
+            "gap_cpu_p50_ms": round(statistics.median(r["gap_cpu_ns"] for r in gaps) / 1e6, 3)
+            if gaps else None}
+
+
 SPLITS = {"all": lambda s: "all", "since_prompt": lambda s: since_bin(s.since_prompt),
           "same_batch": lambda s: str(s.same_batch), "mean_ctx": lambda s: ctx_bin(s.mean_ctx),
           "batch": lambda s: batch_bin(s.batch)}
@@ -95,13 +127,17 @@ def main(argv=None) -> int:
         print("no decode-only step in the log", file=sys.stderr)
         return 1
     out = {name: split(steps, key) for name, key in SPLITS.items()}
+    gaps = between_steps(records)
     for name, groups in out.items():
         print(f"by {name}:")
         for k, g in groups.items():
             print(f"  {k:>9}: {g['steps']:5d} steps, {g['ratio_p50']:.3f}x offline "
                   f"(batch p50 {g['batch_p50']:g}, ctx {g['ctx_p50']:g}, forward "
                   f"{g['forward_share_p50']:.0%}, cpu {g['cpu_share_p50']:.0%})")
-    print(json.dumps({"bench": "step_log_split", "records": len(records), **out,
+    print(f"engine-side ITL p50 {gaps['engine_itl_p50_ms']} ms (step wall alone "
+          f"{gaps['engine_step_wall_p50_ms']} ms); between steps p50 {gaps['gap_p50_ms']} ms, "
+          f"of it CPU {gaps['gap_cpu_p50_ms']} ms")
+    print(json.dumps({"bench": "step_log_split", "records": len(records), **out, **gaps,
                       "offline_step_ms": {str(k): v for k, v in steps_ms.items()},
                       "cpu": platform.processor() or platform.machine()}))
     return 0

@@ -107,8 +107,8 @@ def test_async_engine_writes_every_step_once_idle(tmp_path):
     assert all(0 <= r["gap_cpu_ns"] for r in recs)
 
 
-def _rec(sampled, wall_ms, since, same=True, tokens=None, ctx=300):
-    return {"tokens": sampled if tokens is None else tokens, "sampled": sampled,
+def _rec(sampled, wall_ms, since, same=True, tokens=None, ctx=300, t_ms=0):
+    return {"t_ns": int(t_ms * 1e6), "gap_ns": 0, "gap_cpu_ns": 0, "tokens": sampled if tokens is None else tokens, "sampled": sampled,
             "running": sampled, "wall_ns": int(wall_ms * 1e6), "forward_ns": int(wall_ms * 8e5),
             "cpu_ns": int(wall_ms * 9e5), "ctx_sum": ctx * sampled, "since_prompt": since,
             "same_batch": same}
@@ -128,7 +128,7 @@ def test_split_divides_decode_only_steps_by_the_offline_step_at_their_batch():
 
 def test_split_main_prints_one_json_line(tmp_path, capsys):
     log, peer = tmp_path / "steps.jsonl", tmp_path / "peer.json"
-    log.write_text("".join(json.dumps(_rec(8, 30.0, k)) + "\n" for k in (1, 2, 30)))
+    log.write_text("".join(json.dumps(_rec(8, 30.0, k, t_ms=40 * k)) + "\n" for k in (1, 2, 30)))
     peer.write_text(json.dumps({"decode_step_ms": {"8": 20.0}}))
     assert split_main([str(log), str(peer)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -136,3 +136,19 @@ def test_split_main_prints_one_json_line(tmp_path, capsys):
                                  "ctx_p50": 300.0, "forward_share_p50": 0.8,
                                  "cpu_share_p50": 0.9}
     assert set(out["since_prompt"]) == {"1", "2-4", ">16"}
+    assert out["engine_step_wall_p50_ms"] == 30.0 and out["engine_itl_p50_ms"] == 40.0
+
+
+def test_between_steps_weights_periods_by_rows_and_skips_idle_spells():
+    from pdserve.bench.step_log_split import between_steps
+
+    ms = 1_000_000
+    recs = [dict(t_ns=0, wall_ns=10 * ms, sampled=4, gap_ns=0, gap_cpu_ns=0),
+            dict(t_ns=12 * ms, wall_ns=10 * ms, sampled=1, gap_ns=2 * ms, gap_cpu_ns=ms // 2),
+            dict(t_ns=25 * ms, wall_ns=20 * ms, sampled=1, gap_ns=3 * ms, gap_cpu_ns=ms // 2),
+            dict(t_ns=10_000 * ms, wall_ns=10 * ms, sampled=1, gap_ns=9955 * ms, gap_cpu_ns=0)]
+    got = between_steps(recs)
+    # periods: 12 ms (4 rows), 13 ms (1 row); the third's is an idle spell: not a period
+    assert got["engine_itl_p50_ms"] == 12.0
+    assert got["engine_step_wall_p50_ms"] == 10.0  # walls 10 x4, 10, 20, 10
+    assert got["gap_p50_ms"] == 2.5 and got["gap_cpu_p50_ms"] == 0.5
