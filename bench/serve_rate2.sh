@@ -12,6 +12,7 @@
 # Experiments (issue 19: is the served engine's own step slower than offline, and why):
 #   TRACE=1           bench/serve_step_trace.py beside each run (polls every TRACE_POLL_MS, 20),
 #                     so itl_peer.py also prints the engine's own decode-only steps vs offline
+#                     (the polls slow that step, 1.06x -> 1.19x in one hold: see STEP_LOG)
 #   ENGINE_ENV="K=V"  environment for the stack (e.g. GOMP_SPINCOUNT=10000)
 #   ROUTER_NICE=N     renice the router once ready; CLIENT_NICE=N  run the client under nice
 #   STEP_LOG=1        the engine logs every step itself (PDSERVE_STEP_LOG, no polling: the

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from pdserve.bench.itl_peer import median_steps, step_at
+from pdserve.bench.serve_step_trace import weighted_median
 
 
 @dataclass(frozen=True)
@@ -81,16 +82,6 @@ def split(steps: Sequence[DecodeStep], key: Callable[[DecodeStep], str]) -> dict
 
 
 BUSY_GAP_NS = 100_000_000  # a longer gap between two steps is an idle spell, not the loop's
-
-
-def weighted_median(pairs: Sequence[tuple[float, int]]) -> float:
-    """Median of values each repeated `weight` times."""
-    total, acc = sum(w for _, w in pairs), 0
-    for v, w in sorted(pairs):
-        acc += w
-        if 2 * acc >= total:
-            return v
-    raise ValueError("no weight to take a median of")
 
 
 def between_steps(records: Sequence[Mapping]) -> dict:
