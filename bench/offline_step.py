@@ -8,6 +8,13 @@ median per B, then one JSON line {"decode_step_ms": {B: ms}, "cpu": ...}. The en
 `pdserve serve` runs with the same flags (bench/offline_engine.py; --weights too: give
 `--weights fp32` against a `--weights fp32` stack).
 
+`--context-spread N` gives the B prompts lengths spread evenly over [--input-len,
+--input-len + N) instead of all --input-len: a served batch at rate 2 mixes requests from their
+first generated token to their last (prompts of 256 plus 0-127 generated: contexts 256-383,
+`--input-len 256 --context-spread 128`), while the default batch decodes at one context,
+--input-len to --input-len + --decode-steps. The same work per step as the served batch, not
+a slower one: the KV each row attends over is the served rows'.
+
 `--beside-load BUSY_MS/PERIOD_MS` runs, in a separate process for the whole measurement, one
 thread that spins BUSY_MS out of every PERIOD_MS (e.g. 3/15: a fifth of a core): what a router,
 a client and an event loop do beside a served engine's forward on the same cores, so a served
@@ -42,6 +49,11 @@ def parse_beside_load(text: str) -> tuple[float, float]:
     return busy, period
 
 
+def prompt_len(input_len: int, spread: int, i: int, batch: int) -> int:
+    """The i-th of `batch` prompts' length: evenly over [input_len, input_len + spread)."""
+    return input_len + spread * i // batch
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     from pdserve.bench.offline_engine import add_served_engine_args, served_engine_config
@@ -53,12 +65,16 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--context-spread", type=int, default=0, metavar="N",
+                    help="prompt lengths spread over [input-len, input-len + N) (see above)")
     ap.add_argument("--num-threads", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--beside-load", default="", metavar="BUSY_MS/PERIOD_MS",
                     help="a foreign CPU load in another process while timing (see above)")
     args = ap.parse_args(argv)
     load = parse_beside_load(args.beside_load) if args.beside_load else None
+    if args.context_spread < 0:
+        raise ValueError(f"--context-spread must be >= 0, got {args.context_spread}")
     import torch
 
     torch.set_num_threads(args.num_threads)
@@ -66,7 +82,7 @@ def main(argv=None) -> int:
 
     # the engine a served instance runs with these flags, its KV sized to the largest batch
     llm = LLM(served_engine_config(args, args.weights, args.kv_cache_dtype, max(args.batch),
-                                   args.input_len + args.decode_steps + 2))
+                                   args.input_len + args.context_spread + args.decode_steps + 2))
     core, rng = llm.engine, random.Random(0)
     if max(args.batch) > llm.engine.config.scheduler.max_num_seqs:
         raise ValueError(f"--batch {max(args.batch)} exceeds max_num_seqs "
@@ -81,6 +97,7 @@ def main(argv=None) -> int:
             beside.kill()
             beside.wait()
     print(json.dumps({"decode_step_ms": res, "temperature": args.temperature,
+                      "input_len": args.input_len, "context_spread": args.context_spread,
                       "num_threads": args.num_threads, "beside_load": args.beside_load,
                       "cpu": platform.processor() or platform.machine()}), flush=True)
     return 0
@@ -94,8 +111,8 @@ def _time_batches(args, core, rng, vocab) -> dict:
         params = SamplingParams(max_tokens=args.decode_steps + 2, temperature=args.temperature,
                                 ignore_eos=True)
         for i in range(b):
-            core.add_request(f"b{b}-{i}", [rng.randrange(vocab) for _ in range(args.input_len)],
-                             params)
+            n = prompt_len(args.input_len, args.context_spread, i, b)
+            core.add_request(f"b{b}-{i}", [rng.randrange(vocab) for _ in range(n)], params)
         times = []
         while core.has_unfinished_requests():
             t0 = time.perf_counter()

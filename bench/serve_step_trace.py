@@ -17,7 +17,11 @@ inter-token gap of one stream), the token-weighted median batch (the batch an IT
 not the step-weighted mean), and the decode-only step medians per batch-size bin, to read
 beside `python -m pdserve.bench.offline_step --batch ...`. Then one JSON line.
 
-Polling costs the engine's event loop one GetLoad per poll (well under 1 ms each).
+Polling costs the engine's event loop one GetLoad per poll, and more than that: at 20 ms polls
+on a 2-core host the engine's own decode-only steps went from 1.06x to 1.19x the offline step
+in one hold (docs/served-performance.md, "The engine's own step at rate 2"). To time the step,
+have the engine log it (`PDSERVE_STEP_LOG`, `bench/step_log_split.py`; `STEP_LOG=1 bash
+bench/serve_rate2.sh`); this trace is for what a GetLoad reader sees.
 """
 
 from __future__ import annotations

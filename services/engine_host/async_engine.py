@@ -26,6 +26,7 @@ from pdserve.common.engine.step_budget import StepBudgetController
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.services.engine_host.request_stream import RequestStream
 from pdserve.services.engine_host.request_timeline import TimelineTracker
+from pdserve.services.engine_host.step_log import StepLog
 from pdserve.services.registry.engine_snapshot import SUMMARY_PERIOD_S, cache_summary
 
 log = logging.getLogger(__name__)
@@ -60,12 +61,15 @@ _STOP = object()
 
 class AsyncEngine:
     def __init__(self, core: EngineClient, max_pending_outputs: int = 8, idle_poll_s: float = 0.5,
-                 step_budget: Optional[StepBudgetController] = None):
+                 step_budget: Optional[StepBudgetController] = None,
+                 step_log: Optional[StepLog] = None):
         """`step_budget`: sets the scheduler's token budget before each step from measured
-        step times (`--itl-target-ms`); None -> the configured budget, fixed."""
+        step times (`--itl-target-ms`); None -> the configured budget, fixed. `step_log`:
+        records every step (step_log.py, an experiment switch); None -> nothing recorded."""
         self.core = core
         self.profile = core.profile  # the core's step phases; the service adds its own
         self._budget = step_budget
+        self._step_log = step_log
         self._max_pending = max_pending_outputs
         self._idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -179,28 +183,11 @@ class AsyncEngine:
                 if not self._drain(block=not busy):
                     break
                 if self.core.has_unfinished_requests():
-                    if self._budget is not None:
-                        self._set_budget()
-                    steps = self.profile.num_steps
-                    t0, c0 = time.time_ns(), time.thread_time_ns()
-                    try:
-                        outputs = self.core.step()
-                    except EngineFatalError:
-                        raise  # the engine cannot go on (a rank is gone): end the loop below
-                    except Exception as exc:  # one bad batch must not end the engine
-                        self._step_failed(exc)
-                        continue
-                    t1 = time.time_ns()
-                    self.step_cpu_ns += time.thread_time_ns() - c0
-                    if self._budget is not None and self.profile.num_steps != steps:
-                        self._budget.observe(self.profile.last_step_tokens, (t1 - t0) * 1e-9)
-                    self._timelines.observe(t0, t1)  # before publishing: see RequestTimeline
-                    # the snapshot first: a client that saw this step's outputs reads its stats
-                    self._stats = self.core.stats()
-                    self._publish(outputs, t1)
-                    self.profile.publish_ns += time.time_ns() - t1
+                    self._step()
                 else:
                     self._stats = self.core.stats()
+                    if self._step_log is not None:
+                        self._step_log.flush()  # idle: no step waits on the file
                 self.busy = bool(self._streams) or self.core.has_unfinished_requests()
                 if time.monotonic() >= self._summary_due:
                     self.cached_block_hashes = cache_summary(self.core)
@@ -208,7 +195,41 @@ class AsyncEngine:
         except BaseException as exc:  # a broken engine must not hang its clients
             log.exception("engine loop died")
             self._dead = exc
+        if self._step_log is not None:
+            self._step_log.flush()
         self._fail_all(self._dead or EngineDeadError("engine stopped"))
+
+    def _step(self) -> None:
+        """One engine step, timed, then its outputs handed to the event loop."""
+        if self._budget is not None:
+            self._set_budget()
+        steps, fwd = self.profile.num_steps, self.profile.forward_ns
+        tokens, sampled = self.profile.num_tokens, self.profile.num_sampled
+        log_before = None if self._step_log is None else \
+            self._step_log.before_step(self.core.scheduler.running)
+        t0, c0 = time.time_ns(), time.thread_time_ns()
+        try:
+            outputs = self.core.step()
+        except EngineFatalError:
+            raise  # the engine cannot go on (a rank is gone): end the loop below
+        except Exception as exc:  # one bad batch must not end the engine
+            self._step_failed(exc)
+            return
+        t1 = time.time_ns()
+        cpu = time.thread_time_ns() - c0
+        self.step_cpu_ns += cpu
+        if log_before is not None and self.profile.num_steps != steps:
+            self._step_log.observe(
+                t0, self.profile.num_tokens - tokens,
+                self.profile.num_sampled - sampled, t1 - t0,
+                self.profile.forward_ns - fwd, cpu, log_before, c0)
+        if self._budget is not None and self.profile.num_steps != steps:
+            self._budget.observe(self.profile.last_step_tokens, (t1 - t0) * 1e-9)
+        self._timelines.observe(t0, t1)  # before publishing: see RequestTimeline
+        # the snapshot first: a client that saw this step's outputs reads its stats
+        self._stats = self.core.stats()
+        self._publish(outputs, t1)
+        self.profile.publish_ns += time.time_ns() - t1
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; False when told to stop."""

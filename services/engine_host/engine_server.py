@@ -34,6 +34,7 @@ from pdserve.services.common.tls_roles import ENGINE_CALLERS, interceptors_for
 from pdserve.common.engine.step_budget import StepBudgetConfig, StepBudgetController
 from pdserve.common.telemetry.engine_metrics import EngineMetrics
 from pdserve.common.telemetry.tracing import Tracing, setup_tracing
+from pdserve.services.engine_host.step_log import step_log_from_env
 from pdserve.services.engine_host.async_engine import AsyncEngine
 from pdserve.services.engine_host.engine_telemetry import EngineTelemetry
 from pdserve.services.engine_host.build_thread import run_on_exiting_thread
@@ -100,7 +101,7 @@ async def start_engine_server(cfg: EngineServiceConfig, core,
             cfg.itl_target_ms * 1e-3, cfg.max_num_batched_tokens,
             min_tokens=min(16, cfg.max_num_batched_tokens)))
     engine = AsyncEngine(core, max_pending_outputs=cfg.max_pending_outputs,
-                         step_budget=budget)
+                         step_budget=budget, step_log=step_log_from_env())
     engine.start(asyncio.get_running_loop())
     kv = cfg.kv_settings()
     info = InstanceInfo(model=cfg.model, role=cfg.role, max_model_len=core.max_model_len,

@@ -86,3 +86,11 @@ def test_offline_step_beside_load_parses_busy_over_period():
     for bad in ("3", "0/15", "20/15", "a/b"):
         with pytest.raises(ValueError, match="beside-load"):
             parse_beside_load(bad)
+
+
+def test_offline_step_context_spread_spans_the_served_contexts():
+    from pdserve.bench.offline_step import prompt_len
+
+    lens = [prompt_len(256, 128, i, 16) for i in range(16)]
+    assert lens[0] == 256 and lens[-1] == 376 and lens == sorted(set(lens))
+    assert [prompt_len(256, 0, i, 4) for i in range(4)] == [256] * 4
