@@ -27,6 +27,7 @@ from typing import Callable, Mapping, Sequence
 
 from pdserve.bench.itl_peer import median_steps, step_at
 from pdserve.bench.serve_step_trace import weighted_median
+from pdserve.services.engine_host.step_log import StepLogRecord, read_step_log
 
 
 @dataclass(frozen=True)
@@ -40,16 +41,17 @@ class DecodeStep:
     cpu_share: float  # engine thread CPU over wall
 
 
-def decode_steps(records: Sequence[Mapping], steps_ms: Mapping[int, float]) -> list[DecodeStep]:
+def decode_steps(records: Sequence[StepLogRecord],
+                 steps_ms: Mapping[int, float]) -> list[DecodeStep]:
     """The step log's decode-only steps, each against the offline step at its batch."""
     out = []
     for r in records:
-        b = r["sampled"]
-        if b == 0 or r["tokens"] != b or r["running"] != b or r["wall_ns"] <= 0:
+        b = r.sampled
+        if b == 0 or r.tokens != b or r.running != b or r.wall_ns <= 0:
             continue
-        out.append(DecodeStep(r["wall_ns"] / 1e6 / step_at(steps_ms, b), b, r["ctx_sum"] / b,
-                              r["since_prompt"], r["same_batch"],
-                              r["forward_ns"] / r["wall_ns"], r["cpu_ns"] / r["wall_ns"]))
+        out.append(DecodeStep(r.wall_ns / 1e6 / step_at(steps_ms, b), b, r.ctx_sum / b,
+                              r.since_prompt, r.same_batch, r.forward_ns / r.wall_ns,
+                              r.cpu_ns / r.wall_ns))
     return out
 
 
@@ -84,19 +86,19 @@ def split(steps: Sequence[DecodeStep], key: Callable[[DecodeStep], str]) -> dict
 BUSY_GAP_NS = 100_000_000  # a longer gap between two steps is an idle spell, not the loop's
 
 
-def between_steps(records: Sequence[Mapping]) -> dict:
+def between_steps(records: Sequence[StepLogRecord]) -> dict:
     """Token-weighted medians of the step's wall and of its period (to the next step's start),
     in ms, and the medians of the gaps between busy steps and of the CPU in them."""
-    recs = sorted(records, key=lambda r: r["t_ns"])
-    walls = [(r["wall_ns"] / 1e6, r["sampled"]) for r in recs if r["sampled"]]
-    periods = [((b["t_ns"] - a["t_ns"]) / 1e6, a["sampled"]) for a, b in zip(recs, recs[1:])
-               if a["sampled"] and b.get("gap_ns", 0) < BUSY_GAP_NS]
-    gaps = [r for r in recs[1:] if 0 < r.get("gap_ns", 0) < BUSY_GAP_NS]
+    recs = sorted(records, key=lambda r: r.t_ns)
+    walls = [(r.wall_ns / 1e6, r.sampled) for r in recs if r.sampled]
+    periods = [((b.t_ns - a.t_ns) / 1e6, a.sampled) for a, b in zip(recs, recs[1:])
+               if a.sampled and b.gap_ns < BUSY_GAP_NS]
+    gaps = [r for r in recs[1:] if 0 < r.gap_ns < BUSY_GAP_NS]
     return {"engine_step_wall_p50_ms": round(weighted_median(walls), 2) if walls else None,
             "engine_itl_p50_ms": round(weighted_median(periods), 2) if periods else None,
-            "gap_p50_ms": round(statistics.median(r["gap_ns"] for r in gaps) / 1e6, 3)
+            "gap_p50_ms": round(statistics.median(r.gap_ns for r in gaps) / 1e6, 3)
             if gaps else None,
-            "gap_cpu_p50_ms": round(statistics.median(r["gap_cpu_ns"] for r in gaps) / 1e6, 3)
+            "gap_cpu_p50_ms": round(statistics.median(r.gap_cpu_ns for r in gaps) / 1e6, 3)
             if gaps else None}
 
 
@@ -110,8 +112,7 @@ def main(argv=None) -> int:
     if len(args) < 2:
         print(__doc__, file=sys.stderr)
         return 2
-    records = [json.loads(line) for line in Path(args[0]).read_text().splitlines()
-               if line.strip()]
+    records = read_step_log(args[0])
     steps_ms = median_steps([json.loads(Path(a).read_text()) for a in args[1:]])
     steps = decode_steps(records, steps_ms)
     if not steps:

@@ -93,6 +93,12 @@ class StepLog:
         return len(recs)
 
 
+def read_step_log(path: str) -> list[StepLogRecord]:
+    """The records a StepLog wrote to `path`, in file order (bench/step_log_split.py)."""
+    with open(path) as f:
+        return [StepLogRecord(**json.loads(line)) for line in f if line.strip()]
+
+
 def step_log_from_env() -> Optional[StepLog]:
     path = os.environ.get(ENV, "")
     return StepLog(path) if path else None

@@ -2,6 +2,7 @@
 bench/step_log_split.py reading of it."""
 
 import asyncio
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -108,10 +109,18 @@ def test_async_engine_writes_every_step_once_idle(tmp_path):
 
 
 def _rec(sampled, wall_ms, since, same=True, tokens=None, ctx=300, t_ms=0):
-    return {"t_ns": int(t_ms * 1e6), "gap_ns": 0, "gap_cpu_ns": 0, "tokens": sampled if tokens is None else tokens, "sampled": sampled,
-            "running": sampled, "wall_ns": int(wall_ms * 1e6), "forward_ns": int(wall_ms * 8e5),
-            "cpu_ns": int(wall_ms * 9e5), "ctx_sum": ctx * sampled, "since_prompt": since,
-            "same_batch": same}
+    return StepLogRecord(t_ns=int(t_ms * 1e6), tokens=sampled if tokens is None else tokens,
+                         sampled=sampled, wall_ns=int(wall_ms * 1e6),
+                         forward_ns=int(wall_ms * 8e5), cpu_ns=int(wall_ms * 9e5),
+                         running=sampled, ctx_sum=ctx * sampled, ctx_max=ctx,
+                         since_prompt=since, same_batch=same)
+
+
+def _timed(t_ns, wall_ns, sampled, gap_ns, gap_cpu_ns):
+    """A decode step of `sampled` rows whose only fields of note are its times."""
+    return StepLogRecord(t_ns=t_ns, tokens=sampled, sampled=sampled, wall_ns=wall_ns,
+                         forward_ns=0, cpu_ns=0, running=sampled, ctx_sum=0, ctx_max=0,
+                         same_batch=True, since_prompt=1, gap_ns=gap_ns, gap_cpu_ns=gap_cpu_ns)
 
 
 def test_split_divides_decode_only_steps_by_the_offline_step_at_their_batch():
@@ -128,7 +137,8 @@ def test_split_divides_decode_only_steps_by_the_offline_step_at_their_batch():
 
 def test_split_main_prints_one_json_line(tmp_path, capsys):
     log, peer = tmp_path / "steps.jsonl", tmp_path / "peer.json"
-    log.write_text("".join(json.dumps(_rec(8, 30.0, k, t_ms=40 * k)) + "\n" for k in (1, 2, 30)))
+    log.write_text("".join(json.dumps(dataclasses.asdict(_rec(8, 30.0, k, t_ms=40 * k))) + "\n"
+                           for k in (1, 2, 30)))
     peer.write_text(json.dumps({"decode_step_ms": {"8": 20.0}}))
     assert split_main([str(log), str(peer)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -143,10 +153,11 @@ def test_between_steps_weights_periods_by_rows_and_skips_idle_spells():
     from pdserve.bench.step_log_split import between_steps
 
     ms = 1_000_000
-    recs = [dict(t_ns=0, wall_ns=10 * ms, sampled=4, gap_ns=0, gap_cpu_ns=0),
-            dict(t_ns=12 * ms, wall_ns=10 * ms, sampled=1, gap_ns=2 * ms, gap_cpu_ns=ms // 2),
-            dict(t_ns=25 * ms, wall_ns=20 * ms, sampled=1, gap_ns=3 * ms, gap_cpu_ns=ms // 2),
-            dict(t_ns=10_000 * ms, wall_ns=10 * ms, sampled=1, gap_ns=9955 * ms, gap_cpu_ns=0)]
+    recs = [_timed(t_ns=0, wall_ns=10 * ms, sampled=4, gap_ns=0, gap_cpu_ns=0),
+            _timed(t_ns=12 * ms, wall_ns=10 * ms, sampled=1, gap_ns=2 * ms, gap_cpu_ns=ms // 2),
+            _timed(t_ns=25 * ms, wall_ns=20 * ms, sampled=1, gap_ns=3 * ms, gap_cpu_ns=ms // 2),
+            _timed(t_ns=10_000 * ms, wall_ns=10 * ms, sampled=1, gap_ns=9955 * ms,
+                   gap_cpu_ns=0)]
     got = between_steps(recs)
     # periods: 12 ms (4 rows), 13 ms (1 row); the third's is an idle spell: not a period
     assert got["engine_itl_p50_ms"] == 12.0
