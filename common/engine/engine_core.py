@@ -23,7 +23,7 @@ import logging
 import random
 import time
 from collections import deque
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -430,6 +430,14 @@ class EngineCore:
 
     def get_request(self, request_id: str) -> Optional[Request]:
         return self.scheduler.requests.get(request_id)
+
+    def running_requests(self) -> Sequence[Request]:
+        return self.scheduler.running
+
+    def set_token_budget(self, num_tokens: int) -> None:
+        if num_tokens < 1:
+            raise ValueError(f"a step's token budget must be at least 1, got {num_tokens}")
+        self.scheduler.token_budget = num_tokens
 
     @property
     def num_free_blocks(self) -> int:

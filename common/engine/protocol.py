@@ -8,7 +8,7 @@ facts that other threads may read.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
 
 from pdserve.common.engine.step_profile import StepProfile
 from pdserve.common.engine.kv_transfer import KVTransferParams
@@ -56,6 +56,14 @@ class EngineClient(Protocol):
 
     def get_request(self, request_id: str) -> Optional[Request]:
         """The live request (read on the engine thread only), None when unknown."""
+
+    def running_requests(self) -> Sequence[Request]:
+        """The requests the scheduler is running (the next step's batch, the batch a step that
+        raised was computing); engine thread only, valid until the next step."""
+
+    def set_token_budget(self, num_tokens: int) -> None:
+        """The most tokens a step may schedule, from the next step on (the ITL controller's
+        knob, common/engine/step_budget.py). ValueError when below 1."""
 
     def close(self) -> None:
         """Stop background work and worker processes; idempotent."""

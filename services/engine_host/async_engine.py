@@ -206,7 +206,7 @@ class AsyncEngine:
         steps, fwd = self.profile.num_steps, self.profile.forward_ns
         tokens, sampled = self.profile.num_tokens, self.profile.num_sampled
         log_before = None if self._step_log is None else \
-            self._step_log.before_step(self.core.scheduler.running)
+            self._step_log.before_step(self.core.running_requests())
         t0, c0 = time.time_ns(), time.thread_time_ns()
         try:
             outputs = self.core.step()
@@ -278,9 +278,9 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(stream.accept)
 
     def _set_budget(self) -> None:
-        sched = self.core.scheduler
-        has_decodes = any(r.num_tokens - r.num_computed_tokens == 1 for r in sched.running)
-        sched.token_budget = self._budget.budget(has_decodes)
+        has_decodes = any(r.num_tokens - r.num_computed_tokens == 1
+                          for r in self.core.running_requests())
+        self.core.set_token_budget(self._budget.budget(has_decodes))
 
     def _step_failed(self, exc: Exception) -> None:
         """Aborts the requests that were running when the step raised (the batch), each
@@ -290,7 +290,7 @@ class AsyncEngine:
         self.num_step_failures += 1
         err = RequestFailedError(f"the engine failed while computing this request "
                                  f"({type(exc).__name__}: {exc}); it was aborted")
-        for rid in [r.request_id for r in self.core.scheduler.running]:
+        for rid in [r.request_id for r in self.core.running_requests()]:
             self.core.abort_request(rid)
             self._timelines.forget(rid)
             stream = self._streams.pop(rid, None)

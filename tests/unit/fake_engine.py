@@ -76,10 +76,13 @@ class FakeEngineCore:  # implements pdserve.common.engine.protocol.EngineClient
         self._reqs[request_id] = dict(ids=list(prompt_token_ids), params=params, out=[],
                                       blocks=need)
 
-    @property
-    def scheduler(self):
-        """What AsyncEngine reads after a failed step: every request runs in every step."""
-        return SimpleNamespace(running=[SimpleNamespace(request_id=r) for r in self._reqs])
+    def running_requests(self):
+        """Every request runs in every step."""
+        return [SimpleNamespace(request_id=r) for r in self._reqs]
+
+    def set_token_budget(self, num_tokens):
+        if num_tokens < 1:
+            raise ValueError("a step's token budget must be at least 1")
 
     def abort_request(self, request_id):
         req = self._reqs.pop(request_id, None)

@@ -95,3 +95,22 @@ def test_finished_output_carries_the_timeline(core):
     final = [o for outs in drain(core).values() for o in outs if o.finished][0]
     tl = final.timeline
     assert tl["waiting"] <= tl["running"] <= tl["first_token"] <= tl["finished"]
+
+
+def test_token_budget_and_running_requests(core):
+    """The two scheduler knobs the engine host drives through EngineClient: a budget below 1
+    is refused; a set budget bounds the next step's tokens; the running
+    requests are the step's batch."""
+    with pytest.raises(ValueError, match="at least 1"):
+        core.set_token_budget(0)
+    core.set_token_budget(8)
+    try:
+        core.add_request("long", list(range(250, 290)), SamplingParams(max_tokens=2, temperature=0))
+        assert core.running_requests() == []
+        core.step()
+        assert [r.request_id for r in core.running_requests()] == ["long"]
+        assert core.profile.last_step_tokens == 8  # 8 of the 40 prompt tokens: one budget
+    finally:
+        core.set_token_budget(64)
+    drain(core)
+    assert core.running_requests() == [] and core.num_free_blocks == core.num_total_blocks

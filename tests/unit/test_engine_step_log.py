@@ -68,11 +68,9 @@ class _ProfiledFake(FakeEngineCore):
     def __init__(self):
         super().__init__(step_s=0)
 
-    @property
-    def scheduler(self):
-        return SimpleNamespace(running=[
-            SimpleNamespace(request_id=r, num_computed_tokens=len(q["ids"]) + len(q["out"]))
-            for r, q in self._reqs.items()])
+    def running_requests(self):
+        return [SimpleNamespace(request_id=r, num_computed_tokens=len(q["ids"]) + len(q["out"]))
+                for r, q in self._reqs.items()]
 
     def step(self):
         n = len(self._reqs)

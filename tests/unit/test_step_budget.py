@@ -57,17 +57,19 @@ class _BudgetedFake(FakeEngineCore):
 
     def __init__(self):
         super().__init__(step_s=0)
-        self.sched = SimpleNamespace(running=[], token_budget=2048)
+        self.token_budget = 2048
         self.budgets = []
 
-    @property
-    def scheduler(self):
-        self.sched.running = [SimpleNamespace(request_id=r, num_tokens=2, num_computed_tokens=1)
-                              for r in self._reqs]
-        return self.sched
+    def running_requests(self):
+        return [SimpleNamespace(request_id=r, num_tokens=2, num_computed_tokens=1)
+                for r in self._reqs]
+
+    def set_token_budget(self, num_tokens):
+        super().set_token_budget(num_tokens)
+        self.token_budget = num_tokens
 
     def step(self):
-        self.budgets.append(self.sched.token_budget)
+        self.budgets.append(self.token_budget)
         n = 8 if len(self.budgets) % 2 else 400  # alternate sizes so the fit has a slope
         self.profile.num_steps += 1
         self.profile.last_step_tokens = n
