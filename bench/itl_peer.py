@@ -140,7 +140,7 @@ def main(argv=None) -> int:
                       "itl_p50_ms_median": statistics.median(r["itl_p50_ms"] for r in rows),
                       "offline_step_ms": {str(k): v for k, v in sorted(steps.items())},
                       "num_threads": offline.get("num_threads"),
-                      "cpu": platform.processor() or platform.machine()}))
+                      "cpu": offline.get("cpu") or platform.processor() or platform.machine()}))
     return 0
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import subprocess
@@ -78,6 +77,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.num_threads)
+    from pdserve.bench.offline import cpu_name
     from pdserve.common.engine.llm import LLM
 
     # the engine a served instance runs with these flags, its KV sized to the largest batch
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     print(json.dumps({"decode_step_ms": res, "temperature": args.temperature,
                       "input_len": args.input_len, "context_spread": args.context_spread,
                       "num_threads": args.num_threads, "beside_load": args.beside_load,
-                      "cpu": platform.processor() or platform.machine()}), flush=True)
+                      "cpu": cpu_name()}), flush=True)
     return 0
 
 

@@ -5,8 +5,13 @@
 # One job at a time: starts `vllm serve` (SmolLM2 fp32 exported by pdserve.bench.export_hf,
 # prefix caching off), runs `vllm bench serve --backend openai` (64 random prompts of 256 ->
 # 128 tokens, EOS ignored, 2 warm-ups, no temperature sent: 1.0) at rate 2 and all at once,
-# stops it, then does the same against `pdserve up --mode colocated` (fp32, prefix caching
-# off), and prints both and their ratios; the last line is one JSON object.
+# stops it, then does the same against `pdserve up --mode colocated` (prefix caching off) once
+# per pdserve variant, and prints all of them and each variant's ratios to vLLM; the last line
+# is one JSON object.
+#   VARIANTS="NAME=FLAGS;NAME=FLAGS"  the pdserve variants (default "pdserve=--weights fp32":
+#                     the weights vLLM serves, as fp32). E.g. the GGUF as shipped (packed
+#                     weights, the same values in exact fp32 arithmetic) and a bf16 KV cache:
+#                     VARIANTS="fp32=--weights fp32;packed=--weights packed;packed-bf16kv=--weights packed --kv-cache-dtype bfloat16"
 set -euo pipefail
 OUT=${1:-/tmp/pdserve-vllm-reference}
 PY=${PY:-python}
@@ -51,24 +56,37 @@ measure vllm env LD_PRELOAD="$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.
   VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4 \
   "$VLLM_VENV/bin/vllm" serve "$HF" --dtype float32 --no-enable-prefix-caching \
   --served-model-name smollm2 --port "$PORT"
-measure pdserve $PDS up --mode colocated --num-threads 2 --cpus 0,1 --model smollm2 \
-  --weights fp32 --no-prefix-caching --insecure --port "$PORT" --grpc-port $((PORT + 1)) \
-  --discovery static --log-dir "$OUT/pdserve-logs"
-$PY - "$OUT" <<'PYEOF'
+VARIANTS=${VARIANTS:-pdserve=--weights fp32}
+NAMES=()
+IFS=';' read -ra SPECS <<< "$VARIANTS"
+for spec in "${SPECS[@]}"; do
+  name=${spec%%=*}; flags=${spec#*=}
+  [[ "$name" =~ ^[A-Za-z0-9_.-]+$ && "$name" != vllm ]] || { echo "bad variant name: $name" >&2; exit 2; }
+  NAMES+=("$name")
+  # shellcheck disable=SC2086  # the flags are words
+  measure "$name" $PDS up --mode colocated --num-threads 2 --cpus 0,1 --model smollm2 $flags \
+    --no-prefix-caching --insecure --port "$PORT" --grpc-port $((PORT + 1)) \
+    --discovery static --log-dir "$OUT/$name-logs"
+done
+$PY - "$OUT" "$VARIANTS" "${NAMES[@]}" <<'PYEOF'
 import json, os, platform, sys
-out = sys.argv[1]
+out, variants, names = sys.argv[1], sys.argv[2], sys.argv[3:]
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
            platform.processor())
 keys = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
 res = {f"{s}-r{r}": {k: round(json.load(open(os.path.join(out, f"{s}-r{r}.json")))[k], 2)
-                     for k in keys} for s in ("vllm", "pdserve") for r in ("2", "inf")}
-print(f"{'run':<14}" + "".join(f"{k:>19}" for k in keys))
+                     for k in keys} for s in ("vllm", *names) for r in ("2", "inf")}
+width = max(14, *(len(n) + 6 for n in names))
+print(f"{'run':<{width}}" + "".join(f"{k:>19}" for k in keys))
 for name, r in res.items():
-    print(f"{name:<14}" + "".join(f"{r[k]:>19}" for k in keys))
-ratio = {r: {"throughput": round(res[f"pdserve-r{r}"]["output_throughput"]
-                                 / res[f"vllm-r{r}"]["output_throughput"], 3),
-             "itl_p50": round(res[f"pdserve-r{r}"]["median_itl_ms"]
-                              / res[f"vllm-r{r}"]["median_itl_ms"], 3)} for r in ("2", "inf")}
-print("pdserve / vLLM:", ratio)
-print(json.dumps({"bench": "vllm_reference", "cpu": cpu, "runs": res, "pdserve_over_vllm": ratio}))
+    print(f"{name:<{width}}" + "".join(f"{r[k]:>19}" for k in keys))
+ratio = {n: {r: {"throughput": round(res[f"{n}-r{r}"]["output_throughput"]
+                                     / res[f"vllm-r{r}"]["output_throughput"], 3),
+                 "itl_p50": round(res[f"{n}-r{r}"]["median_itl_ms"]
+                                  / res[f"vllm-r{r}"]["median_itl_ms"], 3)}
+             for r in ("2", "inf")} for n in names}
+for n in names:
+    print(f"{n} / vLLM:", ratio[n])
+print(json.dumps({"bench": "vllm_reference", "cpu": cpu, "variants": variants, "runs": res,
+                  "over_vllm": ratio}))
 PYEOF

@@ -36,7 +36,8 @@ def test_step_is_interpolated_between_timed_batches_and_clamped():
 
 
 def test_cli_prints_each_run_and_the_median_ratio(tmp_path):
-    (tmp_path / "off.json").write_text(json.dumps({"decode_step_ms": {"1": 50.0, "4": 80.0}}))
+    (tmp_path / "off.json").write_text(json.dumps({"decode_step_ms": {"1": 50.0, "4": 80.0},
+                                                   "cpu": "Some CPU 9000"}))
     for i, itl in enumerate((0.055, 0.06, 0.1)):
         run = tmp_path / f"run{i}"
         run.mkdir()
@@ -51,6 +52,7 @@ def test_cli_prints_each_run_and_the_median_ratio(tmp_path):
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert [r["batch"] for r in line["runs"]] == [1.0] * 3
     assert line["ratio_median"] == pytest.approx(1.2)  # 60 ms over 50 ms at batch 1
+    assert line["cpu"] == "Some CPU 9000"  # the CPU the offline peer ran on
     assert run_row(json.loads((tmp_path / "run2" / "serve.json").read_text()),
                    {1: 50.0})["ratio"] == pytest.approx(2.0)
 
