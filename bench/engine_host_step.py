@@ -32,12 +32,13 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import random
 import statistics
 import sys
 import threading
 import time
+
+from pdserve.bench.offline import cpu_name
 
 MODES = ("offline", "offline+team", "hosted", "hosted+team")
 
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
                       "cpus": args.cpus, "num_threads": args.num_threads,
                       "affinity": sorted(os.sched_getaffinity(0)),
                       "loadavg": open("/proc/loadavg").read().split()[:3],
-                      "cpu": platform.processor() or platform.machine()}), flush=True)
+                      "cpu": cpu_name()}), flush=True)
     return 0
 
 

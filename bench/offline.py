@@ -152,17 +152,31 @@ def run_hf(hf, prompts, output_len: int, batch1: bool, temperature: float = 0.0)
     return time.perf_counter() - t
 
 
-def cpu_name() -> str:
-    """The CPU model, as /proc/cpuinfo names it (platform's answer elsewhere)."""
+def cpu_name(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU as /proc/cpuinfo names it, with its family, model and widest vector ISA, e.g.
+    "AMD EPYC (family 26 model 2, avx512)": a VM's model name alone ("AMD EPYC") does not
+    tell Zen 3 from Zen 5, and benchmark figures are only comparable on one CPU (platform's
+    answer where there is no /proc/cpuinfo)."""
     import platform
+    fields = {}
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model", "flags"):
+                    fields.setdefault(key, value.strip())
+                elif not key and fields:
+                    break  # the first processor's block is enough
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if "model name" not in fields:
+        return platform.processor() or platform.machine()
+    flags = fields.get("flags", "").split()
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "no avx2"
+    fam = (f"family {fields['cpu family']} model {fields['model']}, "
+           if "cpu family" in fields and "model" in fields else "")
+    return f"{fields['model name']} ({fam}{isa})"
 
 
 def weights_modes(choice: str) -> list[str]:

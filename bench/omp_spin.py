@@ -18,6 +18,8 @@ import os
 import subprocess
 import sys
 
+from pdserve.bench.offline import cpu_name
+
 SPIN_COUNT = 10_000  # the candidate (docs/served-performance.md)
 SETTINGS = (("libgomp default (300000)", {}),
             (f"GOMP_SPINCOUNT={SPIN_COUNT} (candidate)", {"GOMP_SPINCOUNT": str(SPIN_COUNT)}),
@@ -35,15 +37,6 @@ for _ in range(iters):
     time.sleep(gap)
 print(time.process_time() - c0, time.perf_counter() - t0)
 """
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f
-                         if ln.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown"
 
 
 def run(env: dict, iters: int, gap_ms: float) -> tuple[float, float]:

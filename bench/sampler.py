@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
@@ -26,6 +25,7 @@ import torch
 from pdserve.common.engine import sample_native
 from pdserve.common.engine.request import Request
 from pdserve.common.engine.sampler import Sampler
+from pdserve.bench.offline import cpu_name
 from pdserve.bench.sampler_args import sampler_args
 from pdserve.common.sampling_params import SamplingParams
 
@@ -145,7 +145,7 @@ def run(args) -> int:
     if tokenizer is not None:
         results["json_schema"] = _structured_case(sampler, logits, tokenizer, args.reps)
     line = {"bench": "sampler", "rows": rows, "vocab": vocab, "logits": args.logits,
-            "num_threads": args.num_threads, "reps": args.reps, "cpu": _cpu(),
+            "num_threads": args.num_threads, "reps": args.reps, "cpu": cpu_name(),
             "native": None if native is None else native.simd,
             "cases": results}
     print(json.dumps(line))
@@ -187,17 +187,6 @@ def _structured_case(sampler, logits, tokenizer, reps: int) -> dict:
     print(f"{'json_schema':<20}{b:>10.2f}{'':>10}{c:>10.2f}{b / c:>10.1f}   (unconstrained vs "
           f"{len(reqs)} constrained rows)")
     return {"old_ms": b, "new_ms": c, "ratio": b / c, "note": "unconstrained vs constrained"}
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for ln in f:
-                if ln.startswith("model name"):
-                    return ln.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv=None) -> int:

@@ -63,7 +63,8 @@ def summarize(out: Path) -> dict:
             "offline_t1_over_offline_greedy": round(med["offline_t1.0"] / med["offline_t0.0"],
                                                     3),
             "profile": {f"t{t}": profile_medians(out, t) for t in TEMPS},
-            "cpu": platform.processor() or platform.machine()}
+            "cpu": next((r["cpu"] for r in _lines(out, "offline", TEMPS[1]) if r.get("cpu")),
+                        platform.processor() or platform.machine())}
 
 
 def main(argv: list[str]) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import signal
 import subprocess
@@ -22,6 +21,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from pdserve.bench.offline import cpu_name
 
 
 def _pdserve() -> list[str]:
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
     for p in curve:
         p["throughput_ratio_to_first"] = p["output_tok_s"] / base
     print(json.dumps({"curve": curve, "rate": args.rate, "model": args.model,
-                      "cpu": platform.processor() or platform.machine()}), flush=True)
+                      "cpu": cpu_name()}), flush=True)
     return 0
 
 

@@ -18,13 +18,13 @@ and its CPU share there. Then one JSON line.
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from pdserve.bench.offline import cpu_name
 from pdserve.bench.itl_peer import median_steps, step_at
 from pdserve.bench.serve_step_trace import weighted_median
 from pdserve.services.engine_host.step_log import StepLogRecord, read_step_log
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
           f"of it CPU {gaps['gap_cpu_p50_ms']} ms")
     print(json.dumps({"bench": "step_log_split", "records": len(records), **out, **gaps,
                       "offline_step_ms": {str(k): v for k, v in steps_ms.items()},
-                      "cpu": platform.processor() or platform.machine()}))
+                      "cpu": cpu_name()}))
     return 0
 
 

@@ -60,6 +60,7 @@ import time
 import numpy as np
 
 from pdserve.bench import transport_store
+from pdserve.bench.offline import cpu_name
 
 MiB = 1 << 20
 _LEN = struct.Struct("!Q")
@@ -326,7 +327,7 @@ def _summary(results: dict, sizes) -> dict:
 
     return {
         "bench": "transport",
-        "cpu": _cpu(),
+        "cpu": f"{cpu_name()} x{mp.cpu_count()}",
         "gbps": per_size("gbps", 3),
         "cpu_us_per_mib": per_size("cpu_us_per_mib", 1),
         "rtt_us": {k: round(v["rtt_us"], 1) for k, v in results.items()},
@@ -342,17 +343,6 @@ def _label(size: int) -> str:
     """A size as the report names it: MiB, to 3 decimals where it is not whole."""
     mib = size / MiB
     return str(int(mib)) if mib == int(mib) else f"{mib:.3f}"
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} x{mp.cpu_count()}"
-    except OSError:
-        pass
-    return f"unknown x{mp.cpu_count()}"
 
 
 def _print_table(summary: dict, sizes) -> None:

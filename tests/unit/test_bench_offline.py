@@ -51,3 +51,16 @@ def test_batch1_decode_split_subtracts_each_repeats_prefill():
     assert res["decode_s"] == 8.0  # median of 8.0, 7.0, 8.5
     assert res["prefill_s"] == 2.5
     assert res["decode_tok_s"] == 4 * 127 / 8.0
+
+
+def test_cpu_name_tells_the_family_and_isa_of_the_first_cpu(tmp_path):
+    from pdserve.bench.offline import cpu_name
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n"
+                    "flags\t\t: fpu sse2 avx2 avx512f\n\nprocessor\t: 1\ncpu family\t: 25\n"
+                    "model\t\t: 1\nmodel name\t: Other\nflags\t\t: avx2\n")
+    assert cpu_name(str(info)) == "AMD EPYC (family 26 model 2, avx512)"
+    info.write_text("model name\t: Some Xeon\nflags\t\t: sse2 avx2\n")
+    assert cpu_name(str(info)) == "Some Xeon (avx2)"
+    assert cpu_name(str(tmp_path / "missing"))  # platform's answer, never empty

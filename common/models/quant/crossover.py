@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import numpy as np
 import torch
 
+from pdserve.bench.offline import cpu_name
 from pdserve.common.models.cpu_gemm import onednn_available, pack_weight
 from pdserve.common.models.quant import gemm
 from pdserve.common.models.quant.cpu_native import load_packed_kernels
@@ -105,7 +105,7 @@ def main() -> int:
         print(line, flush=True)
     cross = next((r["m"] for i, r in enumerate(rows)
                   if all(s["expand_gemm_ms"] < s["packed_ms"] for s in rows[i:])), None)
-    print(f"cpu: {platform.processor() or platform.machine()}, simd {native.simd}, threads "
+    print(f"cpu: {cpu_name()}, simd {native.simd}, threads "
           f"{args.num_threads}, {args.qtype} {args.shapes} x {args.layers}; expand+GEMM faster "
           f"from M = {cross}")
     print(json.dumps({"simd": native.simd, "num_threads": args.num_threads,
