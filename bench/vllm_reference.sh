@@ -69,10 +69,10 @@ for spec in "${SPECS[@]}"; do
     --discovery static --log-dir "$OUT/$name-logs"
 done
 $PY - "$OUT" "$VARIANTS" "${NAMES[@]}" <<'PYEOF'
-import json, os, platform, sys
+import json, os, sys
+from pdserve.bench.offline import cpu_name
 out, variants, names = sys.argv[1], sys.argv[2], sys.argv[3:]
-cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
-           platform.processor())
+cpu = cpu_name()
 keys = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
 res = {f"{s}-r{r}": {k: round(json.load(open(os.path.join(out, f"{s}-r{r}.json")))[k], 2)
                      for k in keys} for s in ("vllm", *names) for r in ("2", "inf")}
