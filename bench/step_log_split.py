@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from pdserve.bench.offline import cpu_name
 from pdserve.bench.itl_peer import median_steps, step_at
+from pdserve.bench.offline import cpu_name
 from pdserve.bench.serve_step_trace import weighted_median
 from pdserve.services.engine_host.step_log import StepLogRecord, read_step_log
 
