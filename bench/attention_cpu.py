@@ -31,15 +31,18 @@ COLD_BYTES = 96 << 20  # cache copies cycled per config, so each call misses the
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def make_case(batch: int, ctx: int, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """Caches [copies] of [2, NB, bs, kvh, d] in dtype, query [B, h, d] fp32, metadata; context
-    exactly ctx."""
+def make_case(batch: int, ctx: int, seed: int = 0, dtype: torch.dtype = torch.float32,
+              block: int = BLOCK):
+    """Caches [copies] of [2, NB, block, kvh, d] in dtype, query [B, h, d] fp32, metadata;
+    context exactly ctx."""
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
     gen = torch.Generator().manual_seed(seed)
-    per_req = -(-ctx // BLOCK)
+    per_req = -(-ctx // block)
     num_blocks = batch * per_req + 8
-    one = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
+    one = 2 * num_blocks * block * KV_HEADS * HEAD_DIM * dtype.itemsize
     copies = max(1, min(8, -(-COLD_BYTES // one)))
-    caches = [torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    caches = [torch.randn(2, num_blocks, block, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
               for _ in range(copies)]
     tables = torch.randperm(num_blocks, generator=gen)[:batch * per_req].view(batch, per_req)
     tables = tables.int().contiguous()
