@@ -123,22 +123,22 @@ def _reference() -> Reference:
 
 
 @pytest.fixture(scope="module")
-def texts_soon():
+def ref_soon():
     """The reference, computed in this process while the stack boots."""
     with cf.ThreadPoolExecutor(1) as pool:
         yield pool.submit(_reference)
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, texts_soon):
+def stack(tmp_path_factory, ref_soon):
     with fault_stack(tmp_path_factory.mktemp("faults"), router_args=ROUTER_ARGS,
                      engine_args=ENGINE_ARGS) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
-def ref(texts_soon) -> Reference:
-    return texts_soon.result()
+def ref(ref_soon) -> Reference:
+    return ref_soon.result()
 
 
 def _body(prompt: list[int], stream: bool, max_tokens: int = MAX_TOKENS) -> dict:
