@@ -33,6 +33,8 @@ def add_served_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"CPU linears: oneDNN prepacked or torch's matmul ({SERVED})")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="no automatic prefix caching, as `pdserve up --no-prefix-caching`")
+    from pdserve.common.engine.cli import add_host_heap_arg
+    add_host_heap_arg(p, None, f" ({SERVED})")
 
 
 def served_engine_config(args, weights: str, kv_cache_dtype: str, concurrency: int,
@@ -51,7 +53,8 @@ def served_engine_config(args, weights: str, kv_cache_dtype: str, concurrency: i
         ("max_num_seqs", args.max_num_seqs),
         ("max_num_batched_tokens", args.max_num_batched_tokens),
         ("max_model_len", args.max_model_len), ("block_size", args.block_size),
-        ("cpu_gemm", args.cpu_gemm), ("parallel", parallel)) if value is not None}
+        ("cpu_gemm", args.cpu_gemm), ("host_heap", args.host_heap),
+        ("parallel", parallel)) if value is not None}
     service = EngineServiceConfig(
         model=args.model, num_threads=num_threads or args.num_threads, weights=weights,
         dtype=args.dtype, kv_cache_dtype=kv_cache_dtype, num_blocks=num_blocks,

@@ -16,6 +16,7 @@ AttentionBackendName = Literal["auto", "torch", "triton"]
 WEIGHTS_MODES = ("packed", "fp32")  # GGUF-quantized matrices kept packed, or expanded at load
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # common/kv/dtype.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # common/models/dtype.py
+HOST_HEAP_MODES = ("keep", "release")  # common/host_heap.py
 
 
 def _require(cond: bool, name: str, allowed: str, value) -> None:
@@ -187,6 +188,9 @@ class EngineConfig:
     dtype: str = "auto"  # unquantized weights and activations; auto: fp32 on CPU, bf16 on CUDA
     kv_cache_dtype: str = "auto"  # the KV cache's element type; auto = the activations' dtype
     num_threads: Optional[int] = None  # torch threads (per rank); None -> torch's default
+    # keep | release: whether glibc keeps the memory a CPU step frees for the next step
+    # (common/host_heap.py) or returns it to the kernel, which faults it in again next step
+    host_heap: str = "keep"
     seed: int = 0
     tiny_model_seed: int = 0  # for model == "tiny"
 
@@ -202,5 +206,7 @@ class EngineConfig:
                  "one of " + ", ".join(KV_CACHE_DTYPES), self.kv_cache_dtype)
         if self.num_threads is not None:
             _require(self.num_threads > 0, "num_threads", "> 0", self.num_threads)
+        _require(self.host_heap in HOST_HEAP_MODES, "host_heap", "one of keep, release",
+                 self.host_heap)
         _require(self.device == "cpu" or self.device.startswith("cuda"), "device",
                  "cpu, cuda or cuda:N", self.device)

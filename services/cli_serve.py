@@ -154,7 +154,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: triton on CUDA, torch on the CPU")
     p.add_argument("--cpu-gemm", choices=["auto", "onednn", "torch"], default="auto",
                    help="CPU linears: oneDNN prepacked (auto when available) or torch's matmul")
-    from pdserve.common.engine.cli import add_parallel_args
+    from pdserve.common.engine.cli import add_host_heap_arg, add_parallel_args
+    add_host_heap_arg(p)
     add_parallel_args(p)
     add_weights_arg(p)
 
@@ -239,7 +240,7 @@ def engine_argv(args, cpus: Optional[str] = None, threads: Optional[int] = None)
             "--itl-target-ms", str(args.itl_target_ms),
             "--block-size", str(args.block_size), "--device", args.device,
             "--attention-backend", args.attention_backend, "--cpu-gemm", args.cpu_gemm,
-            "--weights", args.weights, "--kv-cache-dtype", args.kv_cache_dtype,
+            "--host-heap", args.host_heap, "--weights", args.weights, "--kv-cache-dtype", args.kv_cache_dtype,
             "--dtype", args.dtype]
     from pdserve.common.engine.cli import parallel_argv
     argv += parallel_argv(args)
@@ -301,7 +302,8 @@ def engine_service_config(args):
         drain_timeout_s=args.drain_timeout,
         registration=Registration(args.registry, args.advertise_address,
                                   args.registry_interval, args.registry_ttl),
-        attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm, weights=args.weights,
+        attention_backend=args.attention_backend, cpu_gemm=args.cpu_gemm,
+        host_heap=args.host_heap, weights=args.weights,
         dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, parallel=parallel_config(args),
         tls=tls_from_args(args, "prefill" if args.role == "prefill" else "decode"))
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from pdserve.common.config import EngineConfig, ModelConfig
+from pdserve.common.host_heap import apply_host_heap
 
 if TYPE_CHECKING:
     from pdserve.common.distributed.rank_kv import RankKVFactory
@@ -81,6 +82,8 @@ def worker_main(spec: WorkerSpec, conn, parent: int) -> None:
         conn.send(("hello",))
         comm = _join(spec, parent)
         runner, link = _build(spec, comm)
+        if spec.config.device == "cpu":  # after loading: the loader's frees went back
+            apply_host_heap(spec.config.host_heap)
         kv = _build_rank_kv(spec, runner, conn, send_lock)
         conn.send(("ready",))
         _loop(conn, runner, link, kv)

@@ -6,8 +6,8 @@ import argparse
 import json
 import logging
 
-from pdserve.common.config import (DTYPES, KV_CACHE_DTYPES, WEIGHTS_MODES, CacheConfig,
-                                  EngineConfig, ParallelConfig, SchedulerConfig)
+from pdserve.common.config import (DTYPES, HOST_HEAP_MODES, KV_CACHE_DTYPES, WEIGHTS_MODES,
+                                  CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig)
 from pdserve.common.sampling_params import SamplingParams
 
 
@@ -18,6 +18,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-gemm", choices=["auto", "onednn", "torch"], default="auto",
                    help="CPU linears: oneDNN prepacked (auto when available) or torch's matmul")
     add_weights_arg(p)
+    add_host_heap_arg(p)
     p.add_argument("--num-threads", type=int, default=2, help="torch threads")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
@@ -74,11 +75,21 @@ def add_weights_arg(p: argparse.ArgumentParser) -> None:
                    "(auto: the activations' dtype, fp32; docs/half-precision.md)")
 
 
+def add_host_heap_arg(p: argparse.ArgumentParser, default: str | None = EngineConfig.host_heap,
+                      default_help: str = "") -> None:
+    p.add_argument("--host-heap", choices=HOST_HEAP_MODES, default=default,
+                   help="keep: glibc keeps the memory a CPU step frees for the next step "
+                   "(the process stays at its activation peak, which the KV plan budgets "
+                   "for); release: glibc's defaults, which hand large blocks back to the "
+                   "kernel and fault them in again every step (docs/served-performance.md, "
+                   "\"The C heap\")" + default_help)
+
+
 def engine_config(args) -> EngineConfig:
     return EngineConfig(
         model=args.model, attention_backend=args.attention_backend, device=args.device,
         cpu_gemm=args.cpu_gemm, weights=args.weights, num_threads=args.num_threads,
-        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        host_heap=args.host_heap, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         cache=CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
                           kv_cache_fraction=args.kv_cache_fraction,
                           memory_budget_bytes=args.memory_budget_bytes,

@@ -41,6 +41,7 @@ from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.output_processor import OutputProcessor
 from pdserve.common.engine.rank_kv_link import RankKVLink
 from pdserve.common.engine.outputs import EngineStats, FinishReason, RequestOutput
+from pdserve.common.host_heap import apply_host_heap
 from pdserve.common.engine.rank_model import allocate_kv_caches, build_rank_model, rank_device
 from pdserve.common.kv.dtype import engine_kv_dtype, kv_bytes_per_token
 from pdserve.common.engine.request import Request, RequestStatus
@@ -81,6 +82,10 @@ class EngineCore:
         given = loaded is not None
         loaded = loaded or load_model(config.model, tiny_seed=config.tiny_model_seed,
                                       weights=config.weights)
+        # after loading (its temporaries went back to the kernel), before the profiling
+        # forward (whose peak then stays resident, as the KV plan assumes)
+        if config.device == "cpu":
+            apply_host_heap(config.host_heap)
         self.tokenizer = loaded.tokenizer
         self.model_config = cfg = loaded.config
         self.fingerprint = loaded.fingerprint

@@ -52,6 +52,7 @@ class EngineServiceConfig:
     device: str = "cpu"  # "cuda" (or "cuda:N") runs the engine on a GPU
     attention_backend: str = "auto"  # auto | torch | triton (auto: triton on CUDA)
     cpu_gemm: str = "auto"  # auto | onednn | torch (auto: oneDNN prepacked on a CPU that has it)
+    host_heap: str = EngineConfig.host_heap  # keep | release (common/host_heap.py)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor parallel workers
     # the gRPC server: the largest message each way, and the RPCs served at once (more get
     # RESOURCE_EXHAUSTED); docs/hardening.md
@@ -105,6 +106,7 @@ class EngineServiceConfig:
             device=self.device,
             attention_backend=self.attention_backend,
             cpu_gemm=self.cpu_gemm,
+            host_heap=self.host_heap,
             parallel=self.parallel,
             weights=self.weights,
             dtype=self.dtype,
