@@ -21,6 +21,8 @@ import numpy as np
 import torch
 
 from pdserve.bench.offline import cpu_name
+from pdserve.common.config import EngineConfig, HOST_HEAP_MODES
+from pdserve.common.host_heap import apply_host_heap
 from pdserve.common.models.cpu_gemm import onednn_available, pack_weight
 from pdserve.common.models.quant import gemm
 from pdserve.common.models.quant.cpu_native import load_packed_kernels
@@ -81,8 +83,12 @@ def main() -> int:
     p.add_argument("--fp32", action="store_true",
                    help="also time the fp32 GEMM on weights expanded beforehand (fp32 path)")
     p.add_argument("--m", type=int, nargs="+", default=[1, 4, 8, 16, 24, 32, 48, 64, 128, 256])
+    p.add_argument("--host-heap", choices=HOST_HEAP_MODES, default=EngineConfig.host_heap,
+                   help="as the engine: keep (expand + GEMM's transient fp32 weight reuses "
+                   "resident memory) or release (glibc's defaults: fresh pages every call)")
     args = p.parse_args()
     torch.set_num_threads(args.num_threads)
+    apply_host_heap(args.host_heap)
     native = load_packed_kernels()
     if native is None:
         raise SystemExit("the packed kernels did not build")
@@ -106,9 +112,10 @@ def main() -> int:
     cross = next((r["m"] for i, r in enumerate(rows)
                   if all(s["expand_gemm_ms"] < s["packed_ms"] for s in rows[i:])), None)
     print(f"cpu: {cpu_name()}, simd {native.simd}, threads "
-          f"{args.num_threads}, {args.qtype} {args.shapes} x {args.layers}; expand+GEMM faster "
+          f"{args.num_threads}, host heap {args.host_heap}, {args.qtype} {args.shapes} x {args.layers}; expand+GEMM faster "
           f"from M = {cross}")
     print(json.dumps({"simd": native.simd, "num_threads": args.num_threads,
+                      "host_heap": args.host_heap,
                       "qtype": args.qtype, "shapes": args.shapes,
                       "crossover_m": cross, "rows": rows}))
     return 0
