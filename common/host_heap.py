@@ -7,8 +7,9 @@ matrix). glibc hands blocks above its mmap threshold back to the kernel on free 
 trims the heap's free top above its trim threshold, so the next layer's allocation gets fresh
 pages, which the kernel zeroes and faults in one 4 KiB page at a time. Measured on the 2-core
 Zen 5 (docs/served-performance.md, "The C heap"): ~560,000 page faults and 0.9-2.2 s of
-system time per 64 x 256-token prefill run, none with the heap kept; the batch-64 offline run
-ran 17% faster with packed weights and 3-4% with fp32 weights.
+system time per 64 x 256-token prefill run offline, none with the heap kept; the batch-64
+offline run ran 1.17x faster with packed weights and 1.06x with fp32 weights. (A served
+engine steps on its own thread, whose arena faulted far less: served throughput unchanged.)
 
 `keep_freed_memory()` raises glibc's mmap threshold to its ceiling (32 MiB on 64-bit) and
 never trims the heap: what a step frees stays in the process for the next step. The cost is

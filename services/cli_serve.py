@@ -240,7 +240,8 @@ def engine_argv(args, cpus: Optional[str] = None, threads: Optional[int] = None)
             "--itl-target-ms", str(args.itl_target_ms),
             "--block-size", str(args.block_size), "--device", args.device,
             "--attention-backend", args.attention_backend, "--cpu-gemm", args.cpu_gemm,
-            "--host-heap", args.host_heap, "--weights", args.weights, "--kv-cache-dtype", args.kv_cache_dtype,
+            "--host-heap", args.host_heap, "--weights", args.weights,
+            "--kv-cache-dtype", args.kv_cache_dtype,
             "--dtype", args.dtype]
     from pdserve.common.engine.cli import parallel_argv
     argv += parallel_argv(args)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pdserve.bench.offline import cpu_name
-from pdserve.common.config import EngineConfig, HOST_HEAP_MODES
+from pdserve.common.config import HOST_HEAP_MODES, EngineConfig
 from pdserve.common.host_heap import apply_host_heap
 from pdserve.common.models.cpu_gemm import onednn_available, pack_weight
 from pdserve.common.models.quant import gemm
@@ -112,7 +112,8 @@ def main() -> int:
     cross = next((r["m"] for i, r in enumerate(rows)
                   if all(s["expand_gemm_ms"] < s["packed_ms"] for s in rows[i:])), None)
     print(f"cpu: {cpu_name()}, simd {native.simd}, threads "
-          f"{args.num_threads}, host heap {args.host_heap}, {args.qtype} {args.shapes} x {args.layers}; expand+GEMM faster "
+          f"{args.num_threads}, host heap {args.host_heap}, {args.qtype} {args.shapes} x "
+          f"{args.layers}; expand+GEMM faster "
           f"from M = {cross}")
     print(json.dumps({"simd": native.simd, "num_threads": args.num_threads,
                       "host_heap": args.host_heap,
