@@ -206,7 +206,7 @@ class EngineConfig:
                  "one of " + ", ".join(KV_CACHE_DTYPES), self.kv_cache_dtype)
         if self.num_threads is not None:
             _require(self.num_threads > 0, "num_threads", "> 0", self.num_threads)
-        _require(self.host_heap in HOST_HEAP_MODES, "host_heap", "one of keep, release",
-                 self.host_heap)
+        _require(self.host_heap in HOST_HEAP_MODES, "host_heap",
+                 "one of " + ", ".join(HOST_HEAP_MODES), self.host_heap)
         _require(self.device == "cpu" or self.device.startswith("cuda"), "device",
                  "cpu, cuda or cuda:N", self.device)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pdserve.bench.offline import cpu_name
-from pdserve.common.config import HOST_HEAP_MODES, EngineConfig
+from pdserve.common.engine.cli import add_host_heap_arg
 from pdserve.common.host_heap import apply_host_heap
 from pdserve.common.models.cpu_gemm import onednn_available, pack_weight
 from pdserve.common.models.quant import gemm
@@ -83,9 +83,7 @@ def main() -> int:
     p.add_argument("--fp32", action="store_true",
                    help="also time the fp32 GEMM on weights expanded beforehand (fp32 path)")
     p.add_argument("--m", type=int, nargs="+", default=[1, 4, 8, 16, 24, 32, 48, 64, 128, 256])
-    p.add_argument("--host-heap", choices=HOST_HEAP_MODES, default=EngineConfig.host_heap,
-                   help="as the engine: keep (expand + GEMM's transient fp32 weight reuses "
-                   "resident memory) or release (glibc's defaults: fresh pages every call)")
+    add_host_heap_arg(p)  # as the engine: expand + GEMM's transient weight reuses memory
     args = p.parse_args()
     torch.set_num_threads(args.num_threads)
     apply_host_heap(args.host_heap)
