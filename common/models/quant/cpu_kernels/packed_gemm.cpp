@@ -77,7 +77,7 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
   if (M >= PANEL_MIN_M) {  // expand each weight row once, reuse it from scratch for all rows
     dispatch(qtype, [&](auto qt) {
       at::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t q0, int64_t q1) {
-        std::vector<float> scratch(PANEL * g.K);
+        PanelScratch scratch(g.K);
         gemm_panels<decltype(qt)::value>(g, q0 * PANEL, std::min(q1 * PANEL, N),
                                          scratch.data());
       });
