@@ -109,7 +109,7 @@ at::Tensor packed_gemm_silu_mul(const at::Tensor& x, const at::Tensor& w, int64_
   if (M == 0 || half == 0) return out;
   float* yp = g.out;
   float* op = out.data_ptr<float>();
-  // from PANEL_MIN_M rows on, whole 32-row panels per task (the vector builds' PANEL)
+  // from PANEL_MIN_M rows on, whole panels per task (32: a multiple of either build's PANEL)
   const int64_t grain = M >= PANEL_MIN_M
                             ? 32
                             : std::max<int64_t>(1, std::min<int64_t>(64, half / (8 * at::get_num_threads())));
