@@ -13,6 +13,12 @@ unacked at the deadline (put_timeout_s from the BatchPutStart), is revoked, so i
 freed at once and no reader ever sees it; a caller that cancels gets its started objects
 revoked in the background. `ready[i]` (optional) is awaited just before object i's first
 byte goes out: the caller may still be writing its header (the block MAC) until then.
+
+EXISTS means readable: the master answers EXISTS for a key another put still writes (first
+writer wins), so such an entry is reported EXISTS only once that object is complete (polled
+with BatchExists until the same deadline), else UNSETTLED. A producer told EXISTS tells its
+consumers to load the key; before this, a burst of requests with one prompt had decode
+instances miss blocks another request's save had not finished, and recompute them.
 """
 
 from __future__ import annotations
@@ -71,8 +77,17 @@ async def put_batch(master: MasterCalls, pool: ConnectionPool, skeys: list[bytes
             for k, v in zip(skeys, views)])), len(skeys))
     mine = [i for i, s in enumerate(started) if s.status is PutStatus.OK]
     results: list = [s.status for s in started]
-    if not mine:
-        return results
+    if mine:
+        await _put_mine(master, pool, skeys, views, started, mine, results, ready, deadline,
+                        timeout_s)
+    await settle_existing(master, skeys, mine, results, deadline)
+    return results
+
+
+async def _put_mine(master, pool, skeys, views, started, mine, results, ready, deadline,
+                    timeout_s) -> None:
+    """The writes, then the ends or revokes, of the entries this batch started; their
+    results set in place."""
     progress = _Progress([len(started[i].replicas) for i in range(len(skeys))])
     try:
         await _write_all(pool, started, views, mine, progress, ready, deadline)
@@ -88,7 +103,39 @@ async def put_batch(master: MasterCalls, pool: ConnectionPool, skeys: list[bytes
     for i in bad:
         results[i] = progress.errors.get(i) or KVStoreUnavailable(
             f"put timed out after {timeout_s} s; revoked")
-    return results
+
+
+async def settle_existing(master: MasterCalls, skeys: list[bytes], mine: list[int],
+                           results: list, deadline: float) -> None:
+    """Each EXISTS entry stays EXISTS once its object is complete, else becomes UNSETTLED.
+    A key this batch wrote itself takes that entry's outcome; the others are polled
+    (BatchExists, 1 ms doubling to 32 ms) until complete or the deadline."""
+    own = {skeys[i]: results[i] for i in mine}
+    waiting = []
+    for i, r in enumerate(results):
+        if r is not PutStatus.EXISTS:
+            continue
+        if skeys[i] in own:
+            results[i] = PutStatus.EXISTS if own[skeys[i]] is PutStatus.OK else (
+                PutStatus.UNSETTLED)
+        else:
+            waiting.append(i)
+    pause = 0.001
+    while waiting:
+        try:
+            resp = await master.call(master.stub.BatchExists, pb.BatchExistsRequest(
+                keys=[skeys[i] for i in waiting]))
+            exists = list(resp.exists)
+        except KVStoreUnavailable:  # asked again after the pause, until the deadline
+            exists = []
+        if len(exists) == len(waiting):
+            waiting = [i for i, e in zip(waiting, exists) if not e]
+        if not waiting or time.monotonic() + pause > deadline:
+            break
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.032)
+    for i in waiting:
+        results[i] = PutStatus.UNSETTLED
 
 
 async def _write_all(pool, started, views, mine, progress: _Progress, ready, deadline) -> None:

@@ -9,6 +9,8 @@ writes pipelined on one connection, and one BatchPutEnd (batch_put.py). A get as
 replica list (which renews the object's lease and hands out read
 capabilities) and reads from the first replica that answers. A miss is a return value (None /
 PutStatus); an unreachable or too slow master or storage node raises `KVStoreUnavailable`.
+A put that finds its key placed answers EXISTS only once that object is readable
+(batch_put.py, `settle_existing`), else UNSETTLED at its deadline.
 
 Deadlines (StoreClientConfig): every master call has `lookup_timeout_s`, every node connect
 `connect_timeout_s`, a whole put `put_timeout_s`, a whole read `get_timeout_s`.
@@ -35,7 +37,7 @@ import grpc
 from pdserve.common.rpc import kvstore_pb2 as pb
 from pdserve.common.rpc import kvstore_pb2_grpc as pb_grpc
 from pdserve.connector.kvstore import convert
-from pdserve.connector.kvstore.batch_put import MasterCalls, put_batch
+from pdserve.connector.kvstore.batch_put import MasterCalls, put_batch, settle_existing
 from pdserve.connector.kvstore.auth import (UNKEYED_MAC_KEY, BlockKeys, StoreKeys,
                                             load_block_keys, remove_body, sign_token)
 from pdserve.connector.kvstore.conn_pool import ConnectionPool
@@ -169,6 +171,11 @@ class KVStoreClient:
         started = convert.put_start_from_pb(await self._call(
             self._stub.PutStart, pb.PutStartRequest(key=skey, size=len(view), lease_s=lease_s,
                                                     replica_num=replica_num)))
+        if started.status is PutStatus.EXISTS:  # readable yet? (batch_put.py's docstring)
+            results = [PutStatus.EXISTS]
+            await settle_existing(MasterCalls(self._call, self._stub, self._revokes), [skey],
+                                  [], results, deadline)
+            return results[0]
         if started.status is not PutStatus.OK:
             return started.status
         writes = asyncio.gather(*(self._write(r, view) for r in started.replicas))

@@ -17,6 +17,9 @@ class PutStatus(enum.Enum):
     NO_SPACE = "no_space"
     NOT_ENOUGH_NODES = "not_enough_nodes"
     REVOKED = "revoked"  # (client side) the master gave the write up before it ended
+    # (client side) EXISTS, but the other writer's put was still being written at our deadline
+    # (or was revoked): the object is not readable, so it does not count as stored
+    UNSETTLED = "unsettled"
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from pdserve.connector.kvstore.client import KVStoreClient, StoreClientConfig
 from pdserve.connector.kvstore.errors import KVStoreUnavailable
 from pdserve.connector.kvstore.records import NodeInfo, PutStatus
 from pdserve.connector.staging import staged_blocks
+from pdserve.connector.store import put_stored
 from pdserve.connector.store_connector import ConnectorConfig, StoreKVConnector
 from pdserve.services.kvstore.config import MasterConfig, NodeConfig
 from pdserve.services.kvstore.master_service import start_master
@@ -96,6 +97,66 @@ def test_put_many_sends_an_object_only_once_it_is_ready(redis_url, tmp_path):
                 assert got == [PutStatus.OK] * 3
                 for i, buf in enumerate(bufs):
                     assert await kv.get(b"r%d" % i) == _data(i, len(buf))
+
+    _run(main())
+
+
+def _held_put(kv, key, data):
+    """kv.put_many of one object whose bytes wait for `gate`; `started` is set once its
+    PutStart is done (the object is PROCESSING at the master)."""
+    started, gate = asyncio.Event(), asyncio.get_running_loop().create_future()
+
+    async def hold():
+        started.set()
+        await gate
+
+    return asyncio.ensure_future(kv.put_many([(key, data)], ready=[hold()])), started, gate
+
+
+def test_exists_waits_for_the_other_writer_to_finish(redis_url, tmp_path):
+    """A key another put is still writing is not readable: a second writer is told EXISTS (so
+    its consumers may load the key) only once the first writer's object is complete."""
+    slow = StoreClientConfig(transport="tcp", put_timeout_s=10.0, lookup_timeout_s=2.0,
+                             connect_timeout_s=1.0)
+
+    async def main():
+        async with store(redis_url, tmp_path, nodes=1) as (maddr, _):
+            async with KVStoreClient(maddr, config=slow) as a, \
+                    KVStoreClient(maddr, config=slow) as b:
+                first, started, gate = _held_put(a, b"dup", _data(1, 5000))
+                await started.wait()
+                second = asyncio.ensure_future(b.put_many([(b"dup", _data(2, 5000))]))
+                single = asyncio.ensure_future(b.put(b"dup", _data(3, 5000)))
+                await asyncio.sleep(0.2)
+                assert not second.done() and not single.done()  # not readable yet
+                assert await b.get(b"dup") is None
+                gate.set_result(None)
+                assert await first == [PutStatus.OK]
+                assert await second == [PutStatus.EXISTS]
+                assert await single is PutStatus.EXISTS
+                assert await b.get(b"dup") == _data(1, 5000)  # first writer wins
+
+    _run(main())
+
+
+def test_exists_for_a_writer_that_never_finishes_is_unsettled(redis_url, tmp_path):
+    """If the first writer is revoked, the second is told UNSETTLED (not stored) at its own
+    deadline, and nothing stays behind."""
+    async def main():
+        async with store(redis_url, tmp_path, nodes=1) as (maddr, _):
+            async with KVStoreClient(maddr, config=CFG) as a, \
+                    KVStoreClient(maddr, config=CFG) as b:
+                first, started, gate = _held_put(a, b"gone", _data(1, 5000))
+                await started.wait()
+                second = asyncio.ensure_future(b.put_many([(b"gone", _data(2, 5000))]))
+                await asyncio.sleep(0.05)
+                gate.set_exception(RuntimeError("header never written"))
+                got = await first
+                assert isinstance(got[0], KVStoreUnavailable)  # revoked
+                assert await second == [PutStatus.UNSETTLED]
+                assert not put_stored(PutStatus.UNSETTLED)
+                assert await b.get(b"gone") is None
+                assert all(n.used == 0 for n in (await b.stats()).nodes)
 
     _run(main())
 
