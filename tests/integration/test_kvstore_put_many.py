@@ -101,16 +101,23 @@ def test_put_many_sends_an_object_only_once_it_is_ready(redis_url, tmp_path):
     _run(main())
 
 
-def _held_put(kv, key, data):
-    """kv.put_many of one object whose bytes wait for `gate`; `started` is set once its
-    PutStart is done (the object is PROCESSING at the master)."""
-    started, gate = asyncio.Event(), asyncio.get_running_loop().create_future()
+@contextlib.asynccontextmanager
+async def two_writers(redis_url, tmp_path, key, config):
+    """(reader client, first writer's put_many, its gate, second writer's put_many): client a
+    has started a put of `key` (PROCESSING at the master) whose bytes wait for `gate`; client
+    b then put_many's the same key."""
+    async with store(redis_url, tmp_path, nodes=1) as (maddr, _):
+        async with KVStoreClient(maddr, config=config) as a, \
+                KVStoreClient(maddr, config=config) as b:
+            started, gate = asyncio.Event(), asyncio.get_running_loop().create_future()
 
-    async def hold():
-        started.set()
-        await gate
+            async def hold():
+                started.set()
+                await gate
 
-    return asyncio.ensure_future(kv.put_many([(key, data)], ready=[hold()])), started, gate
+            first = asyncio.ensure_future(a.put_many([(key, _data(1, 5000))], ready=[hold()]))
+            await started.wait()
+            yield b, first, gate, asyncio.ensure_future(b.put_many([(key, _data(2, 5000))]))
 
 
 def test_exists_waits_for_the_other_writer_to_finish(redis_url, tmp_path):
@@ -120,21 +127,16 @@ def test_exists_waits_for_the_other_writer_to_finish(redis_url, tmp_path):
                              connect_timeout_s=1.0)
 
     async def main():
-        async with store(redis_url, tmp_path, nodes=1) as (maddr, _):
-            async with KVStoreClient(maddr, config=slow) as a, \
-                    KVStoreClient(maddr, config=slow) as b:
-                first, started, gate = _held_put(a, b"dup", _data(1, 5000))
-                await started.wait()
-                second = asyncio.ensure_future(b.put_many([(b"dup", _data(2, 5000))]))
-                single = asyncio.ensure_future(b.put(b"dup", _data(3, 5000)))
-                await asyncio.sleep(0.2)
-                assert not second.done() and not single.done()  # not readable yet
-                assert await b.get(b"dup") is None
-                gate.set_result(None)
-                assert await first == [PutStatus.OK]
-                assert await second == [PutStatus.EXISTS]
-                assert await single is PutStatus.EXISTS
-                assert await b.get(b"dup") == _data(1, 5000)  # first writer wins
+        async with two_writers(redis_url, tmp_path, b"dup", slow) as (b, first, gate, second):
+            single = asyncio.ensure_future(b.put(b"dup", _data(3, 5000)))
+            await asyncio.sleep(0.2)
+            assert not second.done() and not single.done()  # not readable yet
+            assert await b.get(b"dup") is None
+            gate.set_result(None)
+            assert await first == [PutStatus.OK]
+            assert await second == [PutStatus.EXISTS]
+            assert await single is PutStatus.EXISTS
+            assert await b.get(b"dup") == _data(1, 5000)  # first writer wins
 
     _run(main())
 
@@ -143,20 +145,15 @@ def test_exists_for_a_writer_that_never_finishes_is_unsettled(redis_url, tmp_pat
     """If the first writer is revoked, the second is told UNSETTLED (not stored) at its own
     deadline, and nothing stays behind."""
     async def main():
-        async with store(redis_url, tmp_path, nodes=1) as (maddr, _):
-            async with KVStoreClient(maddr, config=CFG) as a, \
-                    KVStoreClient(maddr, config=CFG) as b:
-                first, started, gate = _held_put(a, b"gone", _data(1, 5000))
-                await started.wait()
-                second = asyncio.ensure_future(b.put_many([(b"gone", _data(2, 5000))]))
-                await asyncio.sleep(0.05)
-                gate.set_exception(RuntimeError("header never written"))
-                got = await first
-                assert isinstance(got[0], KVStoreUnavailable)  # revoked
-                assert await second == [PutStatus.UNSETTLED]
-                assert not put_stored(PutStatus.UNSETTLED)
-                assert await b.get(b"gone") is None
-                assert all(n.used == 0 for n in (await b.stats()).nodes)
+        async with two_writers(redis_url, tmp_path, b"gone", CFG) as (b, first, gate, second):
+            await asyncio.sleep(0.05)
+            gate.set_exception(RuntimeError("header never written"))
+            got = await first
+            assert isinstance(got[0], KVStoreUnavailable)  # revoked
+            assert await second == [PutStatus.UNSETTLED]
+            assert not put_stored(PutStatus.UNSETTLED)
+            assert await b.get(b"gone") is None
+            assert all(n.used == 0 for n in (await b.stats()).nodes)
 
     _run(main())
 
