@@ -16,7 +16,9 @@ byte goes out: the caller may still be writing its header (the block MAC) until 
 
 EXISTS means readable: the master answers EXISTS for a key another put still writes (first
 writer wins), so such an entry is reported EXISTS only once that object is complete (polled
-with BatchExists until the same deadline), else UNSETTLED. A producer told EXISTS tells its
+with BatchExists for up to `settle_s`, within the put's deadline), else UNSETTLED: a writer
+that is stuck, or an object evicted meanwhile, costs the put that long, not its whole
+deadline. A producer told EXISTS tells its
 consumers to load the key; before this, a burst of requests with one prompt had decode
 instances miss blocks another request's save had not finished, and recompute them.
 """
@@ -66,10 +68,11 @@ class _Progress:
 
 async def put_batch(master: MasterCalls, pool: ConnectionPool, skeys: list[bytes],
                     views: list[memoryview], lease_s: float, replica_num: int,
-                    timeout_s: float, ready: Optional[Sequence[Awaitable]] = None
-                    ) -> list:
+                    timeout_s: float, ready: Optional[Sequence[Awaitable]] = None, *,
+                    settle_s: float) -> list:
     """Put views[i] under store key skeys[i]; per object a PutStatus or KVStoreUnavailable.
-    An unreachable master at BatchPutStart raises KVStoreUnavailable (nothing started)."""
+    An unreachable master at BatchPutStart raises KVStoreUnavailable (nothing started).
+    `settle_s`: the longest an EXISTS entry waits for the other writer (settle_existing)."""
     deadline = time.monotonic() + timeout_s
     started = convert.put_starts_from_pb(await master.call(
         master.stub.BatchPutStart, pb.BatchPutStartRequest(entries=[
@@ -80,7 +83,8 @@ async def put_batch(master: MasterCalls, pool: ConnectionPool, skeys: list[bytes
     if mine:
         await _put_mine(master, pool, skeys, views, started, mine, results, ready, deadline,
                         timeout_s)
-    await settle_existing(master, skeys, mine, results, deadline)
+    await settle_existing(master, skeys, mine, results,
+                          min(deadline, time.monotonic() + settle_s))
     return results
 
 

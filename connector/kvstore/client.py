@@ -10,7 +10,7 @@ replica list (which renews the object's lease and hands out read
 capabilities) and reads from the first replica that answers. A miss is a return value (None /
 PutStatus); an unreachable or too slow master or storage node raises `KVStoreUnavailable`.
 A put that finds its key placed answers EXISTS only once that object is readable
-(batch_put.py, `settle_existing`), else UNSETTLED at its deadline.
+(batch_put.py, `settle_existing`), else UNSETTLED after `settle_timeout_s`.
 
 Deadlines (StoreClientConfig): every master call has `lookup_timeout_s`, every node connect
 `connect_timeout_s`, a whole put `put_timeout_s`, a whole read `get_timeout_s`.
@@ -63,6 +63,9 @@ class StoreClientConfig:
     lookup_timeout_s: float = 2.0  # every master call (lookups, PutStart/End, ...)
     put_timeout_s: float = 10.0  # a whole put; past it the put is revoked
     get_timeout_s: float = 10.0  # a whole read of one object (all replicas tried)
+    # the longest a put waits for another writer's object under its key to become readable
+    # (PutStart said EXISTS while it was still being written); then UNSETTLED, not stored
+    settle_timeout_s: float = 1.0
     conns_per_node: int = 4
     # objects per BatchPutStart of put_many (more go in several batches, one after the
     # other); the master refuses batches over its max_batch_puts (1,024 by default)
@@ -74,7 +77,7 @@ class StoreClientConfig:
             raise ValueError(f"transport must be one of {TRANSPORT_KINDS}, got "
                              f"{self.transport!r}")
         for name in ("connect_timeout_s", "lookup_timeout_s", "put_timeout_s",
-                     "get_timeout_s"):
+                     "get_timeout_s", "settle_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be positive and finite, got "
                                  f"{getattr(self, name)}")
@@ -174,7 +177,8 @@ class KVStoreClient:
         if started.status is PutStatus.EXISTS:  # readable yet? (batch_put.py's docstring)
             results = [PutStatus.EXISTS]
             await settle_existing(MasterCalls(self._call, self._stub, self._revokes), [skey],
-                                  [], results, deadline)
+                                  [], results, min(deadline, time.monotonic()
+                                                   + self.config.settle_timeout_s))
             return results[0]
         if started.status is not PutStatus.OK:
             return started.status
@@ -215,7 +219,8 @@ class KVStoreClient:
             try:
                 results += await put_batch(master, self._connections(), keys,
                                            views[at:at + step], lease_s, replica_num,
-                                           self.config.put_timeout_s, part)
+                                           self.config.put_timeout_s, part,
+                                           settle_s=self.config.settle_timeout_s)
             except KVStoreUnavailable as exc:
                 results += [exc] * len(keys)
         return results

@@ -141,6 +141,23 @@ def test_exists_waits_for_the_other_writer_to_finish(redis_url, tmp_path):
     _run(main())
 
 
+def test_a_put_waits_for_another_writer_only_settle_timeout_s(redis_url, tmp_path):
+    """A first writer still writing after settle_timeout_s: the second put gives up then
+    (UNSETTLED), not at its own 10 s deadline, and the first writer's put is unaffected."""
+    cfg = StoreClientConfig(transport="tcp", put_timeout_s=10.0, lookup_timeout_s=2.0,
+                            connect_timeout_s=1.0, settle_timeout_s=0.2)
+
+    async def main():
+        async with two_writers(redis_url, tmp_path, b"slow", cfg) as (b, first, gate, second):
+            assert await asyncio.wait_for(second, 5.0) == [PutStatus.UNSETTLED]
+            assert not first.done()
+            gate.set_result(None)
+            assert await first == [PutStatus.OK]
+            assert await b.get(b"slow") == _data(1, 5000)
+
+    _run(main())
+
+
 def test_exists_for_a_writer_that_never_finishes_is_unsettled(redis_url, tmp_path):
     """If the first writer is revoked, the second is told UNSETTLED (not stored) at its own
     deadline, and nothing stays behind."""
