@@ -18,9 +18,9 @@ EXISTS means readable: the master answers EXISTS for a key another put still wri
 writer wins), so such an entry is reported EXISTS only once that object is complete (polled
 with BatchExists for up to `settle_s`, within the put's deadline), else UNSETTLED: a writer
 that is stuck, or an object evicted meanwhile, costs the put that long, not its whole
-deadline. A producer told EXISTS tells its
-consumers to load the key; before this, a burst of requests with one prompt had decode
-instances miss blocks another request's save had not finished, and recompute them.
+deadline. A producer told EXISTS tells its consumers to load the key; before this, a burst
+of requests with one prompt had decode instances miss blocks another request's save had
+not finished, and recompute them.
 """
 
 from __future__ import annotations
@@ -83,8 +83,7 @@ async def put_batch(master: MasterCalls, pool: ConnectionPool, skeys: list[bytes
     if mine:
         await _put_mine(master, pool, skeys, views, started, mine, results, ready, deadline,
                         timeout_s)
-    await settle_existing(master, skeys, mine, results,
-                          min(deadline, time.monotonic() + settle_s))
+    await settle_existing(master, skeys, mine, results, deadline, settle_s)
     return results
 
 
@@ -110,10 +109,12 @@ async def _put_mine(master, pool, skeys, views, started, mine, results, ready, d
 
 
 async def settle_existing(master: MasterCalls, skeys: list[bytes], mine: list[int],
-                           results: list, deadline: float) -> None:
+                          results: list, deadline: float, settle_s: float) -> None:
     """Each EXISTS entry stays EXISTS once its object is complete, else becomes UNSETTLED.
     A key this batch wrote itself takes that entry's outcome; the others are polled
-    (BatchExists, 1 ms doubling to 32 ms) until complete or the deadline."""
+    (BatchExists, 1 ms doubling to 32 ms) until complete, for at most `settle_s` from now
+    and never past `deadline` (the put's)."""
+    deadline = min(deadline, time.monotonic() + settle_s)
     own = {skeys[i]: results[i] for i in mine}
     waiting = []
     for i, r in enumerate(results):

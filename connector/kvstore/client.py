@@ -177,8 +177,7 @@ class KVStoreClient:
         if started.status is PutStatus.EXISTS:  # readable yet? (batch_put.py's docstring)
             results = [PutStatus.EXISTS]
             await settle_existing(MasterCalls(self._call, self._stub, self._revokes), [skey],
-                                  [], results, min(deadline, time.monotonic()
-                                                   + self.config.settle_timeout_s))
+                                  [], results, deadline, self.config.settle_timeout_s)
             return results[0]
         if started.status is not PutStatus.OK:
             return started.status

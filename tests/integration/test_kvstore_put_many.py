@@ -6,6 +6,7 @@ connection dropped; the connector's save path stores through it, verifiably."""
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import time
 
@@ -123,8 +124,7 @@ async def two_writers(redis_url, tmp_path, key, config):
 def test_exists_waits_for_the_other_writer_to_finish(redis_url, tmp_path):
     """A key another put is still writing is not readable: a second writer is told EXISTS (so
     its consumers may load the key) only once the first writer's object is complete."""
-    slow = StoreClientConfig(transport="tcp", put_timeout_s=10.0, lookup_timeout_s=2.0,
-                             connect_timeout_s=1.0)
+    slow = dataclasses.replace(CFG, put_timeout_s=10.0)
 
     async def main():
         async with two_writers(redis_url, tmp_path, b"dup", slow) as (b, first, gate, second):
@@ -144,8 +144,7 @@ def test_exists_waits_for_the_other_writer_to_finish(redis_url, tmp_path):
 def test_a_put_waits_for_another_writer_only_settle_timeout_s(redis_url, tmp_path):
     """A first writer still writing after settle_timeout_s: the second put gives up then
     (UNSETTLED), not at its own 10 s deadline, and the first writer's put is unaffected."""
-    cfg = StoreClientConfig(transport="tcp", put_timeout_s=10.0, lookup_timeout_s=2.0,
-                            connect_timeout_s=1.0, settle_timeout_s=0.2)
+    cfg = dataclasses.replace(CFG, put_timeout_s=10.0, settle_timeout_s=0.2)
 
     async def main():
         async with two_writers(redis_url, tmp_path, b"slow", cfg) as (b, first, gate, second):
@@ -159,8 +158,8 @@ def test_a_put_waits_for_another_writer_only_settle_timeout_s(redis_url, tmp_pat
 
 
 def test_exists_for_a_writer_that_never_finishes_is_unsettled(redis_url, tmp_path):
-    """If the first writer is revoked, the second is told UNSETTLED (not stored) at its own
-    deadline, and nothing stays behind."""
+    """If the first writer is revoked, the second is told UNSETTLED (not stored) once its
+    wait ends (settle_timeout_s, bounded by its put deadline), and nothing stays behind."""
     async def main():
         async with two_writers(redis_url, tmp_path, b"gone", CFG) as (b, first, gate, second):
             await asyncio.sleep(0.05)
