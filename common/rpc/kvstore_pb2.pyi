@@ -14,11 +14,13 @@ class PutStartStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUT_START_EXISTS: _ClassVar[PutStartStatus]
     PUT_START_NO_SPACE: _ClassVar[PutStartStatus]
     PUT_START_NOT_ENOUGH_NODES: _ClassVar[PutStartStatus]
+    PUT_START_WRITING: _ClassVar[PutStartStatus]
 PUT_START_STATUS_UNSPECIFIED: PutStartStatus
 PUT_START_OK: PutStartStatus
 PUT_START_EXISTS: PutStartStatus
 PUT_START_NO_SPACE: PutStartStatus
 PUT_START_NOT_ENOUGH_NODES: PutStartStatus
+PUT_START_WRITING: PutStartStatus
 
 class Replica(_message.Message):
     __slots__ = ("node_id", "address", "offset", "capability")

@@ -14,13 +14,14 @@ freed at once and no reader ever sees it; a caller that cancels gets its started
 revoked in the background. `ready[i]` (optional) is awaited just before object i's first
 byte goes out: the caller may still be writing its header (the block MAC) until then.
 
-EXISTS means readable: the master answers EXISTS for a key another put still writes (first
-writer wins), so such an entry is reported EXISTS only once that object is complete (polled
-with BatchExists for up to `settle_s`, within the put's deadline), else UNSETTLED: a writer
-that is stuck, or an object evicted meanwhile, costs the put that long, not its whole
-deadline. A producer told EXISTS tells its consumers to load the key; before this, a burst
-of requests with one prompt had decode instances miss blocks another request's save had
-not finished, and recompute them.
+EXISTS means readable. The master answers EXISTS for a key stored and complete, and WRITING
+for one another put still writes (first writer wins). A WRITING entry is reported EXISTS only
+once that object is complete (polled with BatchExists for up to `settle_s`, within the put's
+deadline), else UNSETTLED: a writer that is stuck, or an object revoked or evicted meanwhile,
+costs the put that long, not its whole deadline. A producer told EXISTS tells its consumers
+to load the key; when EXISTS covered both, a burst of requests with one prompt had decode
+instances miss blocks another request's save had not finished, and recompute them. A key
+stored long before (a shared system prompt's blocks) costs no poll.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ async def put_batch(master: MasterCalls, pool: ConnectionPool, skeys: list[bytes
                     settle_s: float) -> list:
     """Put views[i] under store key skeys[i]; per object a PutStatus or KVStoreUnavailable.
     An unreachable master at BatchPutStart raises KVStoreUnavailable (nothing started).
-    `settle_s`: the longest an EXISTS entry waits for the other writer (settle_existing)."""
+    `settle_s`: the longest a WRITING entry waits for the other writer (settle_existing)."""
     deadline = time.monotonic() + timeout_s
     started = convert.put_starts_from_pb(await master.call(
         master.stub.BatchPutStart, pb.BatchPutStartRequest(entries=[
@@ -110,21 +111,22 @@ async def _put_mine(master, pool, skeys, views, started, mine, results, ready, d
 
 async def settle_existing(master: MasterCalls, skeys: list[bytes], mine: list[int],
                           results: list, deadline: float, settle_s: float) -> None:
-    """Each EXISTS entry stays EXISTS once its object is complete, else becomes UNSETTLED.
-    A key this batch wrote itself takes that entry's outcome; the others are polled
-    (BatchExists, 1 ms doubling to 32 ms) until complete, for at most `settle_s` from now
-    and never past `deadline` (the put's)."""
+    """Each WRITING entry becomes EXISTS once its object is complete, else UNSETTLED. A key
+    this batch wrote itself takes that entry's outcome; the others are polled (BatchExists,
+    1 ms doubling to 32 ms) until complete, for at most `settle_s` from now and never past
+    `deadline` (the put's). Afterwards no entry is WRITING."""
     deadline = min(deadline, time.monotonic() + settle_s)
     own = {skeys[i]: results[i] for i in mine}
     waiting = []
     for i, r in enumerate(results):
-        if r is not PutStatus.EXISTS:
+        if r is not PutStatus.WRITING:
             continue
         if skeys[i] in own:
             results[i] = PutStatus.EXISTS if own[skeys[i]] is PutStatus.OK else (
                 PutStatus.UNSETTLED)
         else:
             waiting.append(i)
+    polled = list(waiting)
     pause = 0.001
     while waiting:
         try:
@@ -139,8 +141,9 @@ async def settle_existing(master: MasterCalls, skeys: list[bytes], mine: list[in
             break
         await asyncio.sleep(pause)
         pause = min(pause * 2, 0.032)
-    for i in waiting:
-        results[i] = PutStatus.UNSETTLED
+    unsettled = set(waiting)
+    for i in polled:
+        results[i] = PutStatus.UNSETTLED if i in unsettled else PutStatus.EXISTS
 
 
 async def _write_all(pool, started, views, mine, progress: _Progress, ready, deadline) -> None:

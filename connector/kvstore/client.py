@@ -9,7 +9,8 @@ writes pipelined on one connection, and one BatchPutEnd (batch_put.py). A get as
 replica list (which renews the object's lease and hands out read
 capabilities) and reads from the first replica that answers. A miss is a return value (None /
 PutStatus); an unreachable or too slow master or storage node raises `KVStoreUnavailable`.
-A put that finds its key placed answers EXISTS only once that object is readable
+A put that finds its key complete answers EXISTS; one that finds it still being written waits
+for it and answers EXISTS only once that object is readable
 (batch_put.py, `settle_existing`), else UNSETTLED after `settle_timeout_s`.
 
 Deadlines (StoreClientConfig): every master call has `lookup_timeout_s`, every node connect
@@ -64,7 +65,7 @@ class StoreClientConfig:
     put_timeout_s: float = 10.0  # a whole put; past it the put is revoked
     get_timeout_s: float = 10.0  # a whole read of one object (all replicas tried)
     # the longest a put waits for another writer's object under its key to become readable
-    # (PutStart said EXISTS while it was still being written); then UNSETTLED, not stored
+    # (PutStart said WRITING: another put still writes it); then UNSETTLED, not stored
     settle_timeout_s: float = 1.0
     conns_per_node: int = 4
     # objects per BatchPutStart of put_many (more go in several batches, one after the
@@ -174,8 +175,8 @@ class KVStoreClient:
         started = convert.put_start_from_pb(await self._call(
             self._stub.PutStart, pb.PutStartRequest(key=skey, size=len(view), lease_s=lease_s,
                                                     replica_num=replica_num)))
-        if started.status is PutStatus.EXISTS:  # readable yet? (batch_put.py's docstring)
-            results = [PutStatus.EXISTS]
+        if started.status is PutStatus.WRITING:  # wait for its writer (batch_put.py's docstring)
+            results = [PutStatus.WRITING]
             await settle_existing(MasterCalls(self._call, self._stub, self._revokes), [skey],
                                   [], results, deadline, self.config.settle_timeout_s)
             return results[0]

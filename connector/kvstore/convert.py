@@ -11,6 +11,7 @@ _PUT_STATUS = {
     PutStatus.EXISTS: pb.PUT_START_EXISTS,
     PutStatus.NO_SPACE: pb.PUT_START_NO_SPACE,
     PutStatus.NOT_ENOUGH_NODES: pb.PUT_START_NOT_ENOUGH_NODES,
+    PutStatus.WRITING: pb.PUT_START_WRITING,
 }
 _PUT_STATUS_BACK = {v: k for k, v in _PUT_STATUS.items()}
 

@@ -13,11 +13,14 @@ class ObjectState(str, enum.Enum):
 
 class PutStatus(enum.Enum):
     OK = "ok"
-    EXISTS = "exists"
+    EXISTS = "exists"  # stored and complete: readable
+    # (master side) another put still writes the key; the client waits for that put to end
+    # (batch_put.settle_existing), so callers get EXISTS or UNSETTLED, never this
+    WRITING = "writing"
     NO_SPACE = "no_space"
     NOT_ENOUGH_NODES = "not_enough_nodes"
     REVOKED = "revoked"  # (client side) the master gave the write up before it ended
-    # (client side) EXISTS, but the other writer's put was still being written at our deadline
+    # (client side) WRITING, but the other writer's put had not ended by our settle deadline
     # (or was revoked): the object is not readable, so it does not count as stored
     UNSETTLED = "unsettled"
 

@@ -122,8 +122,10 @@ class MasterCore:
                    evicted: list[bytes], started: list[ObjectMeta]) -> PutStart:
         """(Under _lock.) Place one put in memory; its record joins `started` and the objects
         it evicted join `evicted`, for the caller to write to Redis."""
-        if key in self._objects:
-            return PutStart(PutStatus.EXISTS)
+        held = self._objects.get(key)
+        if held is not None:  # first writer wins; the client waits out a WRITING one
+            return PutStart(PutStatus.EXISTS if held.state is ObjectState.COMPLETE
+                            else PutStatus.WRITING)
         want = replica_num or self._cfg.replica_num
         live = [n for n in self._nodes if self._alloc[n].capacity >= size]
         if len(live) < want:

@@ -33,7 +33,7 @@ def test_batch_start_is_each_put_start_in_order(env):
                                       (b"a", 10, 0, 0), (b"b", 1000, 0, 0),
                                       (b"c", 1000, 0, 0), (b"d", 10, 0, 2)])
         assert [g.status for g in got] == [
-            PutStatus.OK, PutStatus.EXISTS, PutStatus.EXISTS,  # first writer wins
+            PutStatus.OK, PutStatus.WRITING, PutStatus.WRITING,  # first writer wins
             PutStatus.OK, PutStatus.NO_SPACE,  # room for old, a and b only (leased/unended)
             PutStatus.NOT_ENOUGH_NODES]
         assert got[0].replicas[0].offset != got[3].replicas[0].offset
@@ -118,7 +118,7 @@ async def _check_edge(stub, keys, core) -> None:
     resp = await stub.BatchPutStart(pb.BatchPutStartRequest(
         entries=[entry(b"a" * 32), entry(b"b" * 32), entry(b"a" * 32)]))
     assert [r.status for r in resp.results] == [pb.PUT_START_OK, pb.PUT_START_OK,
-                                               pb.PUT_START_EXISTS]
+                                               pb.PUT_START_WRITING]
     for r in resp.results[:2]:  # a write grant for exactly this range on this node
         rep = r.replicas[0]
         check_capability(keys.grant, WRITE, rep.node_id, rep.offset, 1000, rep.capability,

@@ -71,13 +71,16 @@ def test_put_is_invisible_until_put_end_and_revoke_frees(env):
         started = await m.put_start(b"k", 1000, lease_s=0)
         assert started.status is PutStatus.OK and len(started.replicas) == 1
         assert await m.get_replicas(b"k") is None and m.batch_exists([b"k"]) == [False]
-        assert (await m.put_start(b"k", 1000, 0)).status is PutStatus.EXISTS
+        # first writer wins; a second is told the first still writes (not readable yet)
+        assert (await m.put_start(b"k", 1000, 0)).status is PutStatus.WRITING
         assert await m.put_end(b"k") and not await m.put_end(b"k")
+        assert (await m.put_start(b"k", 1000, 0)).status is PutStatus.EXISTS  # complete
         got = await m.get_replicas(b"k")
         assert got.size == 1000 and got.replicas == started.replicas
         assert await m.put_start(b"r", 1000, 0) and await m.put_revoke(b"r")
         assert await m.get_replicas(b"r") is None and not await m.put_revoke(b"r")
         assert m.stats().nodes[0].used == 1024  # only k's aligned bytes remain
+        assert (await m.put_start(b"r", 1000, 0)).status is PutStatus.OK  # revoked: free again
 
     env.run(main)
 

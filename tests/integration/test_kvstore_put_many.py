@@ -102,6 +102,31 @@ def test_put_many_sends_an_object_only_once_it_is_ready(redis_url, tmp_path):
     _run(main())
 
 
+def test_exists_for_a_complete_key_costs_no_poll(redis_url, tmp_path):
+    """The master answers EXISTS only for a complete object (WRITING for one still being
+    written), so a key stored before is EXISTS at once: no BatchExists poll, and the first
+    writer's bytes stay."""
+    async def main():
+        async with store(redis_url, tmp_path, nodes=1) as (maddr, _):
+            async with KVStoreClient(maddr, config=CFG) as kv:
+                assert await kv.put(b"old", b"x" * 100) is PutStatus.OK
+                polls = []
+                real = kv._stub.BatchExists
+
+                def counted(request, **kwargs):
+                    polls.append(list(request.keys))
+                    return real(request, **kwargs)
+
+                kv._stub.BatchExists = counted
+                got = await kv.put_many([(b"old", b"y" * 5), (b"new", b"z" * 5)])
+                assert got == [PutStatus.EXISTS, PutStatus.OK]
+                assert await kv.put(b"old", b"y" * 5) is PutStatus.EXISTS
+                assert polls == []
+                assert await kv.get(b"old") == b"x" * 100
+
+    _run(main())
+
+
 @contextlib.asynccontextmanager
 async def two_writers(redis_url, tmp_path, key, config):
     """(reader client, first writer's put_many, its gate, second writer's put_many): client a
@@ -122,8 +147,9 @@ async def two_writers(redis_url, tmp_path, key, config):
 
 
 def test_exists_waits_for_the_other_writer_to_finish(redis_url, tmp_path):
-    """A key another put is still writing is not readable: a second writer is told EXISTS (so
-    its consumers may load the key) only once the first writer's object is complete."""
+    """A key another put is still writing is not readable: the master tells a second writer
+    WRITING, and the client reports EXISTS (so its consumers may load the key) only once the
+    first writer's object is complete."""
     slow = dataclasses.replace(CFG, put_timeout_s=10.0)
 
     async def main():
