@@ -9,17 +9,19 @@
 # it (the engine's step breakdown over the run's decode-only steps, the router's CPU per
 # token); stops the stack; then RUNS passes of `pdserve bench offline` on the same workload,
 # greedy and 1.0 alternating alike. bench/saturation_peer.py prints the medians, the ratios
-# and one JSON line. PYTHONPATH picks the checkout timed.
+# and one JSON line. PYTHONPATH picks the checkout timed. WEIGHTS=packed runs both sides on
+# the GGUF's packed weights (the engine's default for a quantized file) instead of fp32.
 set -euo pipefail
 RUNS=${1:-2}
 OUT=${2:-/tmp/pdserve-serve-saturation}
 PY=${PY:-python}
 PORT=${PORT:-18471}
+WEIGHTS=${WEIGHTS:-fp32}
 rm -rf "$OUT"; mkdir -p "$OUT"
 export OMP_NUM_THREADS=2
 source "$(dirname "$0")/stack_up.sh"
 stack_up "$OUT" "$PORT" $PY -m pdserve.cli up --mode colocated --num-threads 2 --cpus 0,1 \
-  --model smollm2 --weights fp32 --no-prefix-caching
+  --model smollm2 --weights "$WEIGHTS" --no-prefix-caching
 ENGINE=$(awk '$1 == "unified0" && $2 ~ /:/ {print $2; exit}' "$OUT/up.log")
 ROUTER_PID=$(pgrep -f "serve router .*--port $PORT " | head -1 || true)
 W=(--workload random --num-prompts 64 --input-len 256 --output-len 128 --seed 0 --no-progress
@@ -41,7 +43,7 @@ done
 stack_down
 for i in $(seq "$RUNS"); do
   for T in $(order "$i" 0.0 1.0); do
-    $PY -m pdserve.cli bench offline --model smollm2 --weights fp32 --num-prompts 64 \
+    $PY -m pdserve.cli bench offline --model smollm2 --weights "$WEIGHTS" --num-prompts 64 \
       --input-len 256 --output-len 128 --num-threads 2 --skip-hf --repeats 1 \
       --temperature "$T" --no-prefix-caching | tail -1 > "$OUT/offline-t$T-$i.json"
   done
