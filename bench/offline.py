@@ -217,6 +217,7 @@ def run_offline(args) -> int:
     ours: dict[str, list[float]] = {m: [] for m in modes}
     theirs = []
     prefill_only: list[float] = []  # --batch1: the prompts with one output token each
+    prefill_only_fp32_kv: list[float] = []  # the same on the fp32-KV peer (half KV asked)
     t = args.temperature
     for _ in range(args.repeats):  # interleaved, so drift hits all alike
         for m in modes:
@@ -225,6 +226,8 @@ def run_offline(args) -> int:
             prefill_only.append(run_ours(llms[modes[0]], prompts, 1, True, t))
         if fp32_kv is not None:
             ours_fp32_kv.append(run_ours(fp32_kv, prompts, args.output_len, args.batch1, t))
+            if args.batch1:
+                prefill_only_fp32_kv.append(run_ours(fp32_kv, prompts, 1, True, t))
         if hf is not None:
             theirs.append(run_hf(hf, prompts, args.output_len, args.batch1, t))
     extra = weights_report(args, cfg, llms, ours, n_prompts * args.output_len)
@@ -236,6 +239,9 @@ def run_offline(args) -> int:
     extra["engine"] = engine_settings(llms[modes[0]].engine.config)
     if prefill_only:
         extra.update(decode_split(ours[modes[0]], prefill_only, n_prompts, args.output_len))
+    if prefill_only_fp32_kv:  # batch 1 with a half KV cache: the fp32-KV decode rate beside it
+        split = decode_split(ours_fp32_kv, prefill_only_fp32_kv, n_prompts, args.output_len)
+        extra["fp32_kv_decode_tok_s"] = split["decode_tok_s"]
     report(args, cfg, n_prompts, concurrency, ours[modes[0]], theirs, extra)
     return 0
 
@@ -352,7 +358,10 @@ def report(args, cfg, n_prompts, concurrency, ours, theirs, extra: dict) -> None
         print(f"ratio pdserve/transformers: {res['ratio']:.2f}")
     if res.get("decode_tok_s"):
         print(f"batch 1, {e['weights']} weights: prefill + first token {res['prefill_s']:.2f} s, "
-              f"decode steps alone {res['decode_s']:.2f} s = {res['decode_tok_s']:.1f} tok/s")
+              f"decode steps alone {res['decode_s']:.2f} s = {res['decode_tok_s']:.1f} tok/s"
+              f" ({res['kv_cache_dtype']} KV)")
+    if res.get("fp32_kv_decode_tok_s"):
+        print(f"batch 1, fp32 KV: decode steps alone {res['fp32_kv_decode_tok_s']:.1f} tok/s")
     if "fp32_kv_s" in res:
         print(f"KV cache {res['kv_cache_dtype']}: {t_ours:.2f} s; "
               f"fp32 KV: {res['fp32_kv_s']:.2f} s; ratio {res['kv_cache_dtype']}/fp32 KV "

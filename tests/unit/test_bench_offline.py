@@ -64,3 +64,18 @@ def test_cpu_name_tells_the_family_and_isa_of_the_first_cpu(tmp_path):
     info.write_text("model name\t: Some Xeon\nflags\t\t: sse2 avx2\n")
     assert cpu_name(str(info)) == "Some Xeon (avx2)"
     assert cpu_name(str(tmp_path / "missing"))  # platform's answer, never empty
+
+
+def test_batch1_with_half_kv_reports_both_decode_rates():
+    """--batch1 with a half KV cache times the fp32-KV engine beside it: the JSON line has
+    the decode-alone rate of each (llama.cpp's own KV is fp16, pdserve's CPU default fp32)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "bench", "offline", "--model", "tiny", "--batch1",
+         "--num-prompts", "2", "--input-len", "12", "--output-len", "32", "--num-threads", "1",
+         "--repeats", "3", "--skip-hf", "--weights", "fp32", "--kv-cache-dtype", "float16"],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["kv_cache_dtype"] == "float16"
+    assert res["decode_tok_s"] > 0 and res["fp32_kv_decode_tok_s"] > 0
+    assert "batch 1, fp32 KV: decode steps alone" in out.stdout
