@@ -167,3 +167,20 @@ def test_output_independent_of_threads(m):
     torch.testing.assert_close(outs[0], reference(x, ref), **tol(576))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert all(torch.equal(fused[0], f) for f in fused[1:])
+
+
+def test_large_expansion_is_split_over_threads_and_bit_identical():
+    """A matrix above 256K weights expands on every thread (each a share of rows): at 1, 2
+    and 3 threads the result is gguf-py's dequantize bit for bit."""
+    native = load_packed_kernels()
+    assert native is not None, "the packed kernels must build on this machine"
+    w, ref = make_weight(QType.Q4_1, 1000, 576, seed=5)  # 576K weights
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(native.dequantize(w.data, int(QType.Q4_1), 576, 0, 1000), ref)
+            assert torch.equal(native.dequantize(w.data, int(QType.Q4_1), 576, 100, 900),
+                               ref[100:900])
+    finally:
+        torch.set_num_threads(before)

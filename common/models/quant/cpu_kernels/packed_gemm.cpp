@@ -149,11 +149,14 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t n0,
   const uint8_t* base = w.data_ptr<uint8_t>();
   const int64_t rb = w.size(1);
   float* o = out.data_ptr<float>();
-  // ~4M weights per task (~0.4 ms on one Zen 5 core, 10 G weights/s): a SmolLM2-135M matrix
-  // expands on the calling thread. A parallel region wakes the other threads, and on a shared
-  // 2-core machine that took ~8 ms (the other core busy) against 0.17 ms for a whole 3072 x 576
-  // Q4_1 matrix on one thread.
-  const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 22) / K);
+  // From 256K weights (~25 us on one Zen 5 core) every thread expands a share: a whole matrix
+  // is expanded for the large-M GEMM that follows, which needs every thread anyway. Expanded on
+  // the calling thread alone (4M weights a task before), the other thread went idle and the
+  // GEMM had to wake it: 30 layers' expand + GEMM at M = 96 took 99 ms against 55 ms with
+  // both threads expanding, and 51 ms with OMP_WAIT_POLICY=active (the wake, not the
+  // expansion, was the cost; 2-core Zen 5 VM, whose wake-ups were slow that hour: 51-57 ms
+  // against 48-50 in another). A decode's embedding rows stay on the calling thread.
+  const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 18) / K);
   dispatch(qtype, [&](auto qt) {
     at::parallel_for(0, R, grain, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
