@@ -13,6 +13,8 @@
 #   TRACE=1           bench/serve_step_trace.py beside each run (polls every TRACE_POLL_MS, 20),
 #                     so itl_peer.py also prints the engine's own decode-only steps vs offline
 #                     (the polls slow that step, 1.06x -> 1.19x in one hold: see STEP_LOG)
+#   WEIGHTS=packed    both sides on the GGUF's packed weights (the stack's default for a
+#                     quantized file) instead of fp32
 #   ENGINE_ENV="K=V"  environment for the stack (e.g. GOMP_SPINCOUNT=10000)
 #   ROUTER_NICE=N     renice the router once ready; CLIENT_NICE=N  run the client under nice
 #   STEP_LOG=1        the engine logs every step itself (PDSERVE_STEP_LOG, no polling: the
@@ -28,6 +30,7 @@ RUNS=${2:-3}
 OUT=${3:-/tmp/pdserve-serve-rate$RATE}
 PY=${PY:-python}
 PORT=${PORT:-18461}
+WEIGHTS=${WEIGHTS:-fp32}
 BATCHES=${BATCHES:-4 8 16 24 32 48 64}
 TEMP=${TEMP:-1.0}
 CONTEXT_SPREAD=${CONTEXT_SPREAD:-96}
@@ -35,14 +38,14 @@ rm -rf "$OUT"; mkdir -p "$OUT"
 export OMP_NUM_THREADS=2
 # the offline peer before and after the served runs (itl_peer.py takes each batch's median):
 # one offline_step run alone varied by a tenth from the next in one hold
-OFFLINE_STEP=($PY -m pdserve.bench.offline_step --weights fp32 --num-threads 2
+OFFLINE_STEP=($PY -m pdserve.bench.offline_step --weights "$WEIGHTS" --num-threads 2
               --no-prefix-caching --temperature "$TEMP" --context-spread "$CONTEXT_SPREAD"
               --batch $BATCHES)
 "${OFFLINE_STEP[@]}" | tail -1 > "$OUT/offline_step_before.json"
 source "$(dirname "$0")/stack_up.sh"
 [ -z "${STEP_LOG:-}" ] || ENGINE_ENV="${ENGINE_ENV:-} PDSERVE_STEP_LOG=$OUT/step_log.jsonl"
 stack_up "$OUT" "$PORT" env ${ENGINE_ENV:-} $PY -m pdserve.cli up --mode colocated \
-  --num-threads 2 --cpus 0,1 --model smollm2 --weights fp32 --no-prefix-caching ${UP_ARGS:-}
+  --num-threads 2 --cpus 0,1 --model smollm2 --weights "$WEIGHTS" --no-prefix-caching ${UP_ARGS:-}
 ENGINE=$(awk '$1 == "unified0" && $2 ~ /:/ {print $2; exit}' "$OUT/up.log")
 if [ -n "${ROUTER_NICE:-}" ]; then
   renice -n "$ROUTER_NICE" -p $(pgrep -P "$UP" -f "router --model") > /dev/null
