@@ -73,7 +73,7 @@ async def put_batch(master: MasterCalls, pool: ConnectionPool, skeys: list[bytes
                     settle_s: float) -> list:
     """Put views[i] under store key skeys[i]; per object a PutStatus or KVStoreUnavailable.
     An unreachable master at BatchPutStart raises KVStoreUnavailable (nothing started).
-    `settle_s`: the longest a WRITING entry waits for the other writer (settle_existing)."""
+    `settle_s`: the longest a WRITING entry waits for the other writer (settle_writing)."""
     deadline = time.monotonic() + timeout_s
     started = convert.put_starts_from_pb(await master.call(
         master.stub.BatchPutStart, pb.BatchPutStartRequest(entries=[
@@ -84,7 +84,7 @@ async def put_batch(master: MasterCalls, pool: ConnectionPool, skeys: list[bytes
     if mine:
         await _put_mine(master, pool, skeys, views, started, mine, results, ready, deadline,
                         timeout_s)
-    await settle_existing(master, skeys, mine, results, deadline, settle_s)
+    await settle_writing(master, skeys, mine, results, deadline, settle_s)
     return results
 
 
@@ -109,8 +109,8 @@ async def _put_mine(master, pool, skeys, views, started, mine, results, ready, d
             f"put timed out after {timeout_s} s; revoked")
 
 
-async def settle_existing(master: MasterCalls, skeys: list[bytes], mine: list[int],
-                          results: list, deadline: float, settle_s: float) -> None:
+async def settle_writing(master: MasterCalls, skeys: list[bytes], mine: list[int],
+                         results: list, deadline: float, settle_s: float) -> None:
     """Each WRITING entry becomes EXISTS once its object is complete, else UNSETTLED. A key
     this batch wrote itself takes that entry's outcome; the others are polled (BatchExists,
     1 ms doubling to 32 ms) until complete, for at most `settle_s` from now and never past
@@ -126,7 +126,6 @@ async def settle_existing(master: MasterCalls, skeys: list[bytes], mine: list[in
                 PutStatus.UNSETTLED)
         else:
             waiting.append(i)
-    polled = list(waiting)
     pause = 0.001
     while waiting:
         try:
@@ -136,14 +135,16 @@ async def settle_existing(master: MasterCalls, skeys: list[bytes], mine: list[in
         except KVStoreUnavailable:  # asked again after the pause, until the deadline
             exists = []
         if len(exists) == len(waiting):
+            for i, e in zip(waiting, exists):
+                if e:
+                    results[i] = PutStatus.EXISTS
             waiting = [i for i, e in zip(waiting, exists) if not e]
         if not waiting or time.monotonic() + pause > deadline:
             break
         await asyncio.sleep(pause)
         pause = min(pause * 2, 0.032)
-    unsettled = set(waiting)
-    for i in polled:
-        results[i] = PutStatus.UNSETTLED if i in unsettled else PutStatus.EXISTS
+    for i in waiting:
+        results[i] = PutStatus.UNSETTLED
 
 
 async def _write_all(pool, started, views, mine, progress: _Progress, ready, deadline) -> None:

@@ -11,7 +11,7 @@ capabilities) and reads from the first replica that answers. A miss is a return 
 PutStatus); an unreachable or too slow master or storage node raises `KVStoreUnavailable`.
 A put that finds its key complete answers EXISTS; one that finds it still being written waits
 for it and answers EXISTS only once that object is readable
-(batch_put.py, `settle_existing`), else UNSETTLED after `settle_timeout_s`.
+(batch_put.py, `settle_writing`), else UNSETTLED after `settle_timeout_s`.
 
 Deadlines (StoreClientConfig): every master call has `lookup_timeout_s`, every node connect
 `connect_timeout_s`, a whole put `put_timeout_s`, a whole read `get_timeout_s`.
@@ -38,7 +38,7 @@ import grpc
 from pdserve.common.rpc import kvstore_pb2 as pb
 from pdserve.common.rpc import kvstore_pb2_grpc as pb_grpc
 from pdserve.connector.kvstore import convert
-from pdserve.connector.kvstore.batch_put import MasterCalls, put_batch, settle_existing
+from pdserve.connector.kvstore.batch_put import MasterCalls, put_batch, settle_writing
 from pdserve.connector.kvstore.auth import (UNKEYED_MAC_KEY, BlockKeys, StoreKeys,
                                             load_block_keys, remove_body, sign_token)
 from pdserve.connector.kvstore.conn_pool import ConnectionPool
@@ -177,8 +177,8 @@ class KVStoreClient:
                                                     replica_num=replica_num)))
         if started.status is PutStatus.WRITING:  # wait for its writer (batch_put.py's docstring)
             results = [PutStatus.WRITING]
-            await settle_existing(MasterCalls(self._call, self._stub, self._revokes), [skey],
-                                  [], results, deadline, self.config.settle_timeout_s)
+            await settle_writing(MasterCalls(self._call, self._stub, self._revokes), [skey],
+                                 [], results, deadline, self.config.settle_timeout_s)
             return results[0]
         if started.status is not PutStatus.OK:
             return started.status

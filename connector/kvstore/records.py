@@ -15,7 +15,7 @@ class PutStatus(enum.Enum):
     OK = "ok"
     EXISTS = "exists"  # stored and complete: readable
     # (master side) another put still writes the key; the client waits for that put to end
-    # (batch_put.settle_existing), so callers get EXISTS or UNSETTLED, never this
+    # (batch_put.settle_writing), so callers get EXISTS or UNSETTLED, never this
     WRITING = "writing"
     NO_SPACE = "no_space"
     NOT_ENOUGH_NODES = "not_enough_nodes"
