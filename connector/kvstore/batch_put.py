@@ -15,13 +15,15 @@ revoked in the background. `ready[i]` (optional) is awaited just before object i
 byte goes out: the caller may still be writing its header (the block MAC) until then.
 
 EXISTS means readable. The master answers EXISTS for a key stored and complete, and WRITING
-for one another put still writes (first writer wins). A WRITING entry is reported EXISTS only
-once that object is complete (polled with BatchExists for up to `settle_s`, within the put's
-deadline), else UNSETTLED: a writer that is stuck, or an object revoked or evicted meanwhile,
-costs the put that long, not its whole deadline. A producer told EXISTS tells its consumers
-to load the key; when EXISTS covered both, a burst of requests with one prompt had decode
-instances miss blocks another request's save had not finished, and recompute them. A key
-stored long before (a shared system prompt's blocks) costs no poll.
+for one another put still writes (first writer wins). A WRITING entry is asked again
+(BatchPutStart) until that object is complete, then reported EXISTS; if the object goes away
+first (its writer revoked it: a failed or timed-out write), the master grants the key to
+this put, which writes it itself. Still WRITING after `settle_s` (within the put's
+deadline): UNSETTLED, so a stuck writer costs the put that long, not its whole deadline. A
+producer told EXISTS tells its consumers to load the key; when EXISTS covered both, a burst
+of requests with one prompt had decode instances miss blocks another request's save had not
+finished, and recompute them. A key stored long before (a shared system prompt's blocks)
+costs no second call.
 """
 
 from __future__ import annotations
@@ -67,6 +69,19 @@ class _Progress:
         return self.pending[i] == 0 and i not in self.errors
 
 
+@dataclass(frozen=True)
+class _Batch:
+    """One put_batch call's objects and limits: what a first start and a takeover share."""
+    pool: ConnectionPool
+    skeys: list[bytes]
+    views: list[memoryview]
+    lease_s: float
+    replica_num: int
+    ready: Optional[Sequence[Awaitable]]
+    deadline: float  # time.monotonic() by which every write is acked, or revoked
+    timeout_s: float
+
+
 async def put_batch(master: MasterCalls, pool: ConnectionPool, skeys: list[bytes],
                     views: list[memoryview], lease_s: float, replica_num: int,
                     timeout_s: float, ready: Optional[Sequence[Awaitable]] = None, *,
@@ -74,27 +89,42 @@ async def put_batch(master: MasterCalls, pool: ConnectionPool, skeys: list[bytes
     """Put views[i] under store key skeys[i]; per object a PutStatus or KVStoreUnavailable.
     An unreachable master at BatchPutStart raises KVStoreUnavailable (nothing started).
     `settle_s`: the longest a WRITING entry waits for the other writer (settle_writing)."""
-    deadline = time.monotonic() + timeout_s
-    started = convert.put_starts_from_pb(await master.call(
-        master.stub.BatchPutStart, pb.BatchPutStartRequest(entries=[
-            pb.PutStartRequest(key=k, size=len(v), lease_s=lease_s, replica_num=replica_num)
-            for k, v in zip(skeys, views)])), len(skeys))
-    mine = [i for i, s in enumerate(started) if s.status is PutStatus.OK]
-    results: list = [s.status for s in started]
-    if mine:
-        await _put_mine(master, pool, skeys, views, started, mine, results, ready, deadline,
-                        timeout_s)
-    await settle_writing(master, skeys, mine, results, deadline, settle_s)
+    batch = _Batch(pool, skeys, views, lease_s, replica_num, ready,
+                   time.monotonic() + timeout_s, timeout_s)
+    results: list = [PutStatus.WRITING] * len(skeys)
+    await _start_and_write(master, batch, range(len(skeys)), results)
+    await settle_writing(master, batch, results, settle_s)
     return results
 
 
-async def _put_mine(master, pool, skeys, views, started, mine, results, ready, deadline,
-                    timeout_s) -> None:
-    """The writes, then the ends or revokes, of the entries this batch started; their
-    results set in place."""
-    progress = _Progress([len(started[i].replicas) for i in range(len(skeys))])
+async def _start_and_write(master: MasterCalls, batch: _Batch, which: Sequence[int],
+                           results: list) -> None:
+    """BatchPutStart for objects `which`; each answer becomes results[i], and the objects
+    granted (OK) are written, then ended or revoked (results[i]: their outcome). Raises
+    KVStoreUnavailable, with nothing started, if the master is unreachable."""
+    started = convert.put_starts_from_pb(await master.call(
+        master.stub.BatchPutStart, pb.BatchPutStartRequest(entries=[
+            pb.PutStartRequest(key=batch.skeys[i], size=len(batch.views[i]),
+                               lease_s=batch.lease_s, replica_num=batch.replica_num)
+            for i in which])), len(which))
+    grants = {}
+    for i, s in zip(which, started):
+        results[i] = s.status
+        if s.status is PutStatus.OK:
+            grants[i] = s
+    if grants:
+        await _put_mine(master, batch, grants, results)
+
+
+async def _put_mine(master: MasterCalls, batch: _Batch, grants: dict, results: list) -> None:
+    """The writes, then the ends or revokes, of the objects granted (index -> PutStart);
+    their results set in place."""
+    mine = list(grants)
+    progress = _Progress([len(grants[i].replicas) if i in grants else 0
+                          for i in range(len(batch.skeys))])
+    skeys = batch.skeys
     try:
-        await _write_all(pool, started, views, mine, progress, ready, deadline)
+        await _write_all(batch, grants, progress)
     except asyncio.CancelledError:  # the caller gave up: revoke without holding it
         _revoke_later(master, [skeys[i] for i in mine])
         raise
@@ -106,58 +136,55 @@ async def _put_mine(master, pool, skeys, views, started, mine, results, ready, d
         results[i] = PutStatus.OK if ok else PutStatus.REVOKED
     for i in bad:
         results[i] = progress.errors.get(i) or KVStoreUnavailable(
-            f"put timed out after {timeout_s} s; revoked")
+            f"put timed out after {batch.timeout_s} s; revoked")
 
 
-async def settle_writing(master: MasterCalls, skeys: list[bytes], mine: list[int],
-                         results: list, deadline: float, settle_s: float) -> None:
-    """Each WRITING entry becomes EXISTS once its object is complete, else UNSETTLED. A key
-    this batch wrote itself takes that entry's outcome; the others are polled (BatchExists,
-    1 ms doubling to 32 ms) until complete, for at most `settle_s` from now and never past
-    `deadline` (the put's). Afterwards no entry is WRITING."""
-    deadline = min(deadline, time.monotonic() + settle_s)
-    own = {skeys[i]: results[i] for i in mine}
-    waiting = []
-    for i, r in enumerate(results):
-        if r is not PutStatus.WRITING:
-            continue
-        if skeys[i] in own:
-            results[i] = PutStatus.EXISTS if own[skeys[i]] is PutStatus.OK else (
-                PutStatus.UNSETTLED)
-        else:
-            waiting.append(i)
+async def settle_writing(master: MasterCalls, batch: _Batch, results: list,
+                         settle_s: float) -> None:
+    """Settle every WRITING entry (another put was writing its key). It is asked again with
+    BatchPutStart (1 ms doubling to 32 ms) for at most `settle_s` from now, never past the
+    put's deadline: EXISTS once the other object is complete; if that object is gone (its
+    writer revoked it, or it was evicted), the master grants the key to this put, which
+    writes it itself (a takeover: the entry takes its own write's outcome) instead of
+    waiting out `settle_s` for nothing; still WRITING at the end: UNSETTLED. A key this
+    batch holds twice settles once, at its first entry; the others take EXISTS if that one
+    is stored, else UNSETTLED. Afterwards no entry is WRITING."""
+    until = min(batch.deadline, time.monotonic() + settle_s)
+    first: dict[bytes, int] = {}
+    for i, k in enumerate(batch.skeys):
+        first.setdefault(k, i)
+    waiting = [i for i, r in enumerate(results)
+               if r is PutStatus.WRITING and first[batch.skeys[i]] == i]
     pause = 0.001
-    while waiting:
-        try:
-            resp = await master.call(master.stub.BatchExists, pb.BatchExistsRequest(
-                keys=[skeys[i] for i in waiting]))
-            exists = list(resp.exists)
-        except KVStoreUnavailable:  # asked again after the pause, until the deadline
-            exists = []
-        if len(exists) == len(waiting):
-            for i, e in zip(waiting, exists):
-                if e:
-                    results[i] = PutStatus.EXISTS
-            waiting = [i for i, e in zip(waiting, exists) if not e]
-        if not waiting or time.monotonic() + pause > deadline:
-            break
+    while waiting and time.monotonic() + pause <= until:
         await asyncio.sleep(pause)
         pause = min(pause * 2, 0.032)
+        try:
+            await _start_and_write(master, batch, waiting, results)
+        except KVStoreUnavailable:  # asked again after the pause, until the deadline
+            continue
+        waiting = [i for i in waiting if results[i] is PutStatus.WRITING]
     for i in waiting:
         results[i] = PutStatus.UNSETTLED
+    for i, r in enumerate(results):
+        if r is PutStatus.WRITING:
+            own = results[first[batch.skeys[i]]]
+            results[i] = (PutStatus.EXISTS if own is PutStatus.OK or own is PutStatus.EXISTS
+                          else PutStatus.UNSETTLED)
 
 
-async def _write_all(pool, started, views, mine, progress: _Progress, ready, deadline) -> None:
-    """Every replica write of the started objects, one pipelined connection per node, until
+async def _write_all(batch: _Batch, grants: dict, progress: _Progress) -> None:
+    """Every replica write of the granted objects, one pipelined connection per node, until
     all are acked or the deadline passes (then the unacked ones are simply not good)."""
     per_node: dict[str, list[tuple[int, Replica]]] = {}
-    for i in mine:
-        for r in started[i].replicas:
+    for i, started in grants.items():
+        for r in started.replicas:
             per_node.setdefault(r.address, []).append((i, r))
-    tasks = [asyncio.ensure_future(_write_node(pool, addr, writes, views, progress, ready))
+    tasks = [asyncio.ensure_future(_write_node(batch.pool, addr, writes, batch.views,
+                                               progress, batch.ready))
              for addr, writes in per_node.items()]
     try:
-        await asyncio.wait(tasks, timeout=max(deadline - time.monotonic(), 0.001))
+        await asyncio.wait(tasks, timeout=max(batch.deadline - time.monotonic(), 0.001))
     finally:
         for t in tasks:
             t.cancel()

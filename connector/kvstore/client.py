@@ -10,8 +10,9 @@ replica list (which renews the object's lease and hands out read
 capabilities) and reads from the first replica that answers. A miss is a return value (None /
 PutStatus); an unreachable or too slow master or storage node raises `KVStoreUnavailable`.
 A put that finds its key complete answers EXISTS; one that finds it still being written waits
-for it and answers EXISTS only once that object is readable
-(batch_put.py, `settle_writing`), else UNSETTLED after `settle_timeout_s`.
+for it and answers EXISTS only once that object is readable, takes the key over and writes
+it itself if that object goes away (its writer revoked), else answers UNSETTLED after
+`settle_timeout_s` (batch_put.py, `settle_writing`).
 
 Deadlines (StoreClientConfig): every master call has `lookup_timeout_s`, every node connect
 `connect_timeout_s`, a whole put `put_timeout_s`, a whole read `get_timeout_s`.
@@ -38,7 +39,7 @@ import grpc
 from pdserve.common.rpc import kvstore_pb2 as pb
 from pdserve.common.rpc import kvstore_pb2_grpc as pb_grpc
 from pdserve.connector.kvstore import convert
-from pdserve.connector.kvstore.batch_put import MasterCalls, put_batch, settle_writing
+from pdserve.connector.kvstore.batch_put import MasterCalls, put_batch
 from pdserve.connector.kvstore.auth import (UNKEYED_MAC_KEY, BlockKeys, StoreKeys,
                                             load_block_keys, remove_body, sign_token)
 from pdserve.connector.kvstore.conn_pool import ConnectionPool
@@ -65,7 +66,8 @@ class StoreClientConfig:
     put_timeout_s: float = 10.0  # a whole put; past it the put is revoked
     get_timeout_s: float = 10.0  # a whole read of one object (all replicas tried)
     # the longest a put waits for another writer's object under its key to become readable
-    # (PutStart said WRITING: another put still writes it); then UNSETTLED, not stored
+    # (PutStart said WRITING: another put still writes it); then UNSETTLED, not stored. If
+    # that object goes away meanwhile (revoked), the put takes the key over and writes it
     settle_timeout_s: float = 1.0
     conns_per_node: int = 4
     # objects per BatchPutStart of put_many (more go in several batches, one after the
@@ -175,11 +177,14 @@ class KVStoreClient:
         started = convert.put_start_from_pb(await self._call(
             self._stub.PutStart, pb.PutStartRequest(key=skey, size=len(view), lease_s=lease_s,
                                                     replica_num=replica_num)))
-        if started.status is PutStatus.WRITING:  # wait for its writer (batch_put.py's docstring)
-            results = [PutStatus.WRITING]
-            await settle_writing(MasterCalls(self._call, self._stub, self._revokes), [skey],
-                                 [], results, deadline, self.config.settle_timeout_s)
-            return results[0]
+        if started.status is PutStatus.WRITING:  # wait for its writer, or take the key over
+            result = (await put_batch(
+                MasterCalls(self._call, self._stub, self._revokes), self._connections(),
+                [skey], [view], lease_s, replica_num, max(deadline - time.monotonic(), 0.001),
+                settle_s=self.config.settle_timeout_s))[0]
+            if isinstance(result, BaseException):
+                raise result
+            return result
         if started.status is not PutStatus.OK:
             return started.status
         writes = asyncio.gather(*(self._write(r, view) for r in started.replicas))

@@ -14,14 +14,15 @@ class ObjectState(str, enum.Enum):
 class PutStatus(enum.Enum):
     OK = "ok"
     EXISTS = "exists"  # stored and complete: readable
-    # (master side) another put still writes the key; the client waits for that put to end
-    # (batch_put.settle_writing), so callers get EXISTS or UNSETTLED, never this
+    # (master side) another put still writes the key; the client waits for that put to end,
+    # or takes the key over if it is revoked (batch_put.settle_writing), so callers get
+    # EXISTS, their own write's outcome or UNSETTLED, never this
     WRITING = "writing"
     NO_SPACE = "no_space"
     NOT_ENOUGH_NODES = "not_enough_nodes"
     REVOKED = "revoked"  # (client side) the master gave the write up before it ended
-    # (client side) WRITING, but the other writer's put had not ended by our settle deadline
-    # (or was revoked): the object is not readable, so it does not count as stored
+    # (client side) WRITING, and the other writer's put had not ended by our settle deadline:
+    # the object is not readable, so it does not count as stored
     UNSETTLED = "unsettled"
 
 

@@ -104,7 +104,7 @@ class MasterCore:
     async def put_start_many(self, entries: list[tuple[bytes, int, float, int]]
                              ) -> list[PutStart]:
         """PutStart for each (key, size, lease_s, replica_num), in order, as if called one
-        after the other (a key twice: the second is EXISTS, first writer wins); one Redis
+        after the other (a key twice: the second is WRITING, first writer wins); one Redis
         write for the whole batch. Every entry is checked before anything changes."""
         for _, size, lease_s, _ in entries:
             if size <= 0:

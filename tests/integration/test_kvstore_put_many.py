@@ -104,24 +104,28 @@ def test_put_many_sends_an_object_only_once_it_is_ready(redis_url, tmp_path):
 
 def test_exists_for_a_complete_key_costs_no_poll(redis_url, tmp_path):
     """The master answers EXISTS only for a complete object (WRITING for one still being
-    written), so a key stored before is EXISTS at once: no BatchExists poll, and the first
-    writer's bytes stay."""
+    written), so a key stored before is EXISTS at once: one start call per put, none asked
+    again, and the first writer's bytes stay."""
     async def main():
         async with store(redis_url, tmp_path, nodes=1) as (maddr, _):
             async with KVStoreClient(maddr, config=CFG) as kv:
                 assert await kv.put(b"old", b"x" * 100) is PutStatus.OK
-                polls = []
-                real = kv._stub.BatchExists
+                calls = []
 
-                def counted(request, **kwargs):
-                    polls.append(list(request.keys))
-                    return real(request, **kwargs)
+                def counted(name):
+                    real = getattr(kv._stub, name)
 
-                kv._stub.BatchExists = counted
+                    def call(request, **kwargs):
+                        calls.append(name)
+                        return real(request, **kwargs)
+                    setattr(kv._stub, name, call)
+
+                for name in ("BatchPutStart", "PutStart", "BatchExists"):
+                    counted(name)
                 got = await kv.put_many([(b"old", b"y" * 5), (b"new", b"z" * 5)])
                 assert got == [PutStatus.EXISTS, PutStatus.OK]
                 assert await kv.put(b"old", b"y" * 5) is PutStatus.EXISTS
-                assert polls == []
+                assert calls == ["BatchPutStart", "PutStart"]
                 assert await kv.get(b"old") == b"x" * 100
 
     _run(main())
@@ -183,19 +187,29 @@ def test_a_put_waits_for_another_writer_only_settle_timeout_s(redis_url, tmp_pat
     _run(main())
 
 
-def test_exists_for_a_writer_that_never_finishes_is_unsettled(redis_url, tmp_path):
-    """If the first writer is revoked, the second is told UNSETTLED (not stored) once its
-    wait ends (settle_timeout_s, bounded by its put deadline), and nothing stays behind."""
+def test_a_revoked_writers_key_is_taken_over_by_the_waiting_put(redis_url, tmp_path):
+    """If the first writer is revoked, a put waiting on its key (WRITING) is granted the key
+    and writes its own bytes at once, not after settle_timeout_s: one of the two waiting
+    puts (put_many, put) stores it, the other then finds it complete (EXISTS), the revoked
+    object's space is freed and one object's is held."""
+    cfg = dataclasses.replace(CFG, put_timeout_s=10.0, settle_timeout_s=5.0)
+
     async def main():
-        async with two_writers(redis_url, tmp_path, b"gone", CFG) as (b, first, gate, second):
+        async with two_writers(redis_url, tmp_path, b"gone", cfg) as (b, first, gate, second):
+            single = asyncio.ensure_future(b.put(b"gone", _data(2, 5000)))
             await asyncio.sleep(0.05)
+            assert not second.done() and not single.done()
+            held = sum(n.used for n in (await b.stats()).nodes)
             gate.set_exception(RuntimeError("header never written"))
+            revoked_at = time.monotonic()
             got = await first
             assert isinstance(got[0], KVStoreUnavailable)  # revoked
-            assert await second == [PutStatus.UNSETTLED]
-            assert not put_stored(PutStatus.UNSETTLED)
-            assert await b.get(b"gone") is None
-            assert all(n.used == 0 for n in (await b.stats()).nodes)
+            outcomes = [(await second)[0], await single]
+            assert time.monotonic() - revoked_at < 1.0  # well inside settle_timeout_s
+            assert sorted(o.value for o in outcomes) == ["exists", "ok"]
+            assert all(put_stored(o) for o in outcomes)
+            assert await b.get(b"gone") == _data(2, 5000)  # the taker's bytes
+            assert sum(n.used for n in (await b.stats()).nodes) == held
 
     _run(main())
 
