@@ -30,7 +30,9 @@ from pdserve.common.models.quant.packed import PackedWeight
 # From this many activation rows on, expand + oneDNN GEMM; below, the packed kernel. Per build
 # (the kernel module's `simd`), measured with `python -m pdserve.common.models.quant.crossover`
 # over 30 SmolLM2-shaped Q4_1 layers, 2 threads (figures in docs/packed-weights.md): AVX-512 on
-# a quiet Zen 5, expand + GEMM faster from M = 96 on; AVX2 and scalar not re-measured quietly.
+# a quiet Zen 5, expand + GEMM faster from M = 96 on; AVX2 on a Zen 1, with its 3 x 4 panel
+# tiles, even at M = 256 (packed 1.00-1.08x expand + GEMM at 256, 1.09-1.34x below); scalar
+# not measured.
 LARGE_M = {"avx512": 96, "avx2": 256, "scalar": 256}
 # Most fp32 bytes the large-M path expands at once: a whole SmolLM2-135M matrix (7 MB at most;
 # its LM head tiles), a SmolLM2-1.7B gate/up in 5 tiles. Transient: freed after the GEMM.

@@ -509,10 +509,13 @@ void expand_row(const uint8_t* row, int64_t K, float* out) {
 // M in blocks of MBLOCK rows so the activations stay in L2 while the panel is reused.
 // AVX-512: 16-row panels (37 KB at K = 576, inside L1 beside a 4-row activation tile) over
 // 64-row blocks (a batch-64 decode in one pass); in one process against 32 / 32 on the Zen 5,
-// 30 SmolLM2 Q4_1 layers, 1.02-1.06x at M 8-96 and Q8_0 1.02-1.06x. AVX2 keeps 32 / 32 (not
-// re-measured).
+// 30 SmolLM2 Q4_1 layers, 1.02-1.06x at M 8-96 and Q8_0 1.02-1.06x. AVX2: 32 / 32, and
+// 3 x 4 tiles (12 accumulators, 3 x and 4 panel loads per 12 FMAs, all 16 ymm registers):
+// the 2 x 4 tile's 6 loads per 8 FMAs bound it on a Zen 1 (two 128-bit loads a cycle), and
+// 3 x 4 ran those 30 layers 1.22-1.25x faster at M 16-96 (one process each, alternated;
+// MBLOCK 48 was no different).
 constexpr int NR = 4;
-constexpr int MR = VL == 16 ? 4 : 2;
+constexpr int MR = VL == 16 ? 4 : 3;
 constexpr int64_t PANEL = VL == 16 ? 16 : 32, MBLOCK = VL == 16 ? 64 : 32;
 
 // A thread's expanded panel (PANEL rows of K fp32), 64-byte aligned: K is a multiple of 32, so
@@ -585,6 +588,12 @@ template <int C>
 inline void micro_rows(const Gemm& g, const float* panel, int64_t n, int64_t m0, int64_t m1) {
   int64_t m = m0;
   for (; m + MR <= m1; m += MR) micro<MR, C>(g, panel, n, m);
+  if constexpr (MR > 2) {  // a leftover pair in one tile: two x loads per four panel loads
+    if (m + 2 <= m1) {
+      micro<2, C>(g, panel, n, m);
+      m += 2;
+    }
+  }
   for (; m < m1; ++m) micro<1, C>(g, panel, n, m);
 }
 
