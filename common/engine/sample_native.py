@@ -71,3 +71,19 @@ def sample_plain(logits: torch.Tensor, inv_temp: torch.Tensor, min_p: torch.Tens
         return sample_ops.sample_rows(w, u)
     return native.sample_rows(logits, inv_temp.contiguous(), min_p.contiguous(),
                               u.contiguous(), sample_ops.EXP_FLOOR, sample_ops.FLUSH_BELOW)
+
+
+def sample_top_p(logits: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor, u: torch.Tensor, use_native: bool = True) -> torch.Tensor:
+    """Token ids [n] drawn from full rows of logits [n, V] fp32 at temperature (inv_temp [n, 1]
+    fp32) cut to top-p (top_p [n] fp64 < 1, no top-k) and then by min-p (min_p [n, 1] fp32)
+    with uniforms u [n] fp64: what sample_ops.sample_top_p(weights(logits, inv_temp), ...)
+    draws. Native: one call (weights, a histogram of their mass, the edge bucket sorted, the
+    pick), where the torch path sorts up to 4,096 candidates per row and builds the histogram
+    in ~10 tensor passes for the rows that need more (68 ms against ~8 at 62 x 49,152)."""
+    native = kernels_for(logits, use_native)
+    if native is None:
+        return sample_ops.sample_top_p(sample_ops.weights(logits, inv_temp), top_p, min_p, u)
+    return native.sample_top_p_rows(logits, inv_temp.contiguous(), top_p.contiguous(),
+                                    min_p.contiguous(), u.contiguous(), sample_ops.EXP_FLOOR,
+                                    sample_ops.FLUSH_BELOW)

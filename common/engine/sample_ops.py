@@ -91,67 +91,97 @@ def sample_filtered(w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                     min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Token ids [n] from weights w [n, V] under top-k [n] (V = off), then top-p [n] (mass
     relative to what top-k kept; the first token past p is kept), then min-p [n, 1]; u [n].
-    Looks at the top max(top-k) tokens, or TOP_P_CANDIDATES[0] for top-p-only rows; rows
-    whose top-p set needs more are redone with the next count, and rows that need more than
-    all of them (flat distributions) find their set with a weight histogram (top_p_keep_)
-    instead of sorting the row."""
+    Rows without top-k take sample_top_p; rows with it draw among their top max(top-k) tokens,
+    in weight order."""
     v = w.shape[-1]
     top_p_only = top_k >= v
-    k = int(torch.where(top_p_only, min(TOP_P_CANDIDATES[0], v), top_k).max())
-    total = torch.where(top_p_only, w.sum(dim=-1, dtype=torch.float64), 0.0)
-    tokens, fits = _sample_top(w, k, top_k, top_p, min_p, u, total)
-    rows = torch.arange(len(u))
-    for k in [c for c in TOP_P_CANDIDATES[1:] if c < v]:
-        redo = (~fits).nonzero().squeeze(1)  # top-p-only rows, by construction
-        if not redo.numel():
-            return tokens
-        rows = rows[redo]
-        tokens[rows], fits = _sample_top(w[rows], k, top_k[rows], top_p[rows], min_p[rows],
-                                         u[rows], total[rows])
-    rows = rows[(~fits).nonzero().squeeze(1)]
+    if bool(top_p_only.all()):
+        return sample_top_p(w, top_p, min_p, u)
+    tokens = torch.empty(len(u), dtype=torch.long)
+    rows = top_p_only.nonzero().squeeze(1)
     if rows.numel():
-        rest = top_p_keep_(w[rows], top_p[rows])
-        tokens[rows] = sample_rows(min_p_(rest, min_p[rows]), u[rows])
+        tokens[rows] = sample_top_p(w[rows], top_p[rows], min_p[rows], u[rows])
+    rows = (~top_p_only).nonzero().squeeze(1)
+    tokens[rows] = _sample_top_k(w[rows], top_k[rows], top_p[rows], min_p[rows], u[rows])
     return tokens
+
+
+def sample_top_p(w: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                 u: torch.Tensor) -> torch.Tensor:
+    """Token ids [n] from weights w [n, V] (top 1) cut to each row's top-p set (top_p [n] fp64,
+    top_p_floor), then by min-p [n, 1], drawn in token order as sample_rows (what the native
+    sample_top_p_rows does, so both paths give the same token for the same uniform u [n])."""
+    keep = torch.maximum(top_p_floor(w, top_p), min_p)  # [n, 1]
+    return sample_rows(w.masked_fill(w < keep, 0.0), u)
+
+
+def top_p_floor(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The lightest weight each row's top-p set keeps [n, 1], from weights w [n, V] (top 1,
+    zeros allowed) and top_p [n] fp64: from the heaviest token down, a token is kept while the
+    mass before it is under top_p * total; tokens tied with the lightest kept are kept too.
+    Looks at each row's TOP_P_CANDIDATES[0] heaviest tokens, then the next count for the rows
+    whose set needs more, and finds the rest (flat rows) with a weight histogram
+    (_histogram_floor) instead of sorting the row."""
+    n, v = w.shape
+    w = w.nan_to_num(nan=0.0)  # a NaN row (all logits -inf) keeps nothing: token 0, as plain
+    floor = torch.empty(n, 1, dtype=w.dtype)
+    limit = top_p * w.sum(dim=-1, dtype=torch.float64)  # [n]
+    rows = torch.arange(n)
+    for k in dict.fromkeys(min(c, v) for c in TOP_P_CANDIDATES):
+        vals, _ = w[rows].topk(k, dim=-1)  # [r, k] sorted, descending
+        cum = vals.cumsum(dim=-1, dtype=torch.float64)
+        lim = limit[rows].unsqueeze(1)
+        kept = ((cum - vals) < lim) & (vals > 0)
+        fits = (cum[:, -1:] >= lim).squeeze(1) | (k == v)  # k == v: the whole row was seen
+        floor[rows[fits]] = torch.where(kept, vals, torch.inf).amin(dim=-1, keepdim=True)[fits]
+        rows = rows[~fits]
+        if not rows.numel():
+            return floor
+    floor[rows] = _histogram_floor(w[rows], top_p[rows])
+    return floor
 
 
 def top_p_keep_(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """In place on weights w [n, V] (top 1, zeros allowed), top_p [n] fp64: zero every token
-    outside the smallest set of heaviest tokens whose mass reaches top_p * total.
+    outside the top-p set (top_p_floor), found by the weight histogram."""
+    return w.masked_fill_(w < _histogram_floor(w, top_p), 0.0)
 
-    A histogram of the mass by weight bucket (floor(log2(w) * KEY_STEPS)) finds the bucket
-    where the running mass from the top crosses the limit: heavier buckets are in, lighter
-    ones out, and only that bucket's tokens are sorted, which gives the lightest weight kept.
-    Tokens tied in weight with it are all kept (a sort would keep an arbitrary few)."""
+
+def _histogram_floor(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """top_p_floor [n, 1] without sorting: a histogram of the mass by weight bucket
+    (floor(log2(w) * KEY_STEPS)) finds the bucket where the running mass from the top crosses
+    the limit: heavier buckets are in, lighter ones out, and only that bucket's tokens are
+    sorted, which gives the lightest weight kept."""
     n = w.shape[0]
     key = torch.log2(w).mul_(KEY_STEPS).floor_()  # [n, V] in [-NUM_KEYS, 0]; -inf where 0
     slot = key.clamp(min=1 - NUM_KEYS).add_(NUM_KEYS - 1).long()  # 0 .. NUM_KEYS - 1
-    mass = torch.zeros(n, NUM_KEYS).scatter_add_(1, slot, w)  # [n, NUM_KEYS]
-    from_top = mass.flip(-1).cumsum(dim=-1, dtype=torch.float64)  # mass at or above
-    limit = top_p * from_top[:, -1]
+    mass = torch.zeros(n, NUM_KEYS, dtype=torch.float64).scatter_add_(1, slot, w.double())
+    from_top = mass.flip(-1).cumsum(dim=-1)  # [n, NUM_KEYS] mass at or above
+    limit = top_p * w.sum(dim=-1, dtype=torch.float64)
     pos = torch.searchsorted(from_top, limit.unsqueeze(1)).squeeze(1).clamp(max=NUM_KEYS - 1)
     edge = (-pos).unsqueeze(1).to(key.dtype)  # [n, 1] the key where the limit is crossed
     above = torch.where(pos > 0, from_top.gather(1, (pos - 1).clamp(min=0).unsqueeze(1))
                         .squeeze(1), torch.zeros_like(limit))
-    in_edge = key == edge
+    in_edge = (key == edge) & (w > 0)
     c = max(int(in_edge.sum(dim=-1).max()), 1)
     vals, _ = torch.where(in_edge, w, 0.0).topk(c, dim=-1)  # [n, c] the edge bucket, sorted
     cum = above.unsqueeze(1) + vals.cumsum(dim=-1, dtype=torch.float64)
     kept = ((cum - vals) < limit.unsqueeze(1)) & (vals > 0)
     floor = torch.where(kept, vals, torch.inf).amin(dim=-1, keepdim=True)  # lightest kept
-    return w.masked_fill_(w < floor, 0.0)  # heavier buckets are all >= floor, lighter below
+    # an empty edge (rounding left the limit unreached): keep every positive weight
+    return torch.where(floor.isinf(), torch.where(w > 0, w, torch.inf).amin(-1, keepdim=True),
+                       floor)
 
 
-def _sample_top(w, k, top_k, top_p, min_p, u, total):
-    """Sample among each row's k largest weights; total [n] is the row's mass for top-p-only
-    rows (0 where top-k sets it). Returns tokens [n] and whether each row's top-p set fit."""
+def _sample_top_k(w, top_k, top_p, min_p, u):
+    """Rows with top-k [n] < V: sample among each row's k heaviest weights (k = max top-k),
+    the cut by top-p relative to their mass, then min-p; picked in weight order."""
+    k = int(top_k.max())
     vals, idx = w.topk(k, dim=-1)  # [n, k] sorted, descending
     vals = vals.masked_fill(torch.arange(k) >= top_k.unsqueeze(1), 0.0)
     cum = vals.cumsum(dim=-1, dtype=torch.float64)  # [n, k]
-    total = torch.where(total > 0, total, cum[:, -1])
-    limit = torch.where(top_p < 1, top_p * total, torch.inf).unsqueeze(1)
-    fits = cum[:, -1] >= limit.squeeze(1)
+    limit = torch.where(top_p < 1, top_p * cum[:, -1], torch.inf).unsqueeze(1)
     vals = vals.masked_fill((cum - vals) >= limit, 0.0)  # mass before a token reached p
     vals = min_p_(vals, min_p)
     j, _ = pick(vals, u * vals.sum(dim=-1, dtype=torch.float64))
-    return idx.gather(1, j.unsqueeze(1)).squeeze(1), fits | (top_p >= 1)
+    return idx.gather(1, j.unsqueeze(1)).squeeze(1)

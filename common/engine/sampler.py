@@ -105,7 +105,8 @@ class Sampler:
 
 def _sample(logits: torch.Tensor, reqs: list[Request], use_native: bool) -> torch.Tensor:
     """Random rows: logits [n, V] -> token ids [n]. Rows without top-k / top-p take the fused
-    native kernel (sample_native.sample_plain) where it runs."""
+    native kernel (sample_native.sample_plain), rows with top-p alone the fused top-p kernel
+    (sample_native.sample_top_p), where it runs; rows with top-k the torch path."""
     n, v = logits.shape
     params = [r.params for r in reqs]
     u = torch.tensor([uniform(stream_key(r.seed), r.num_output_tokens) for r in reqs],
@@ -114,18 +115,28 @@ def _sample(logits: torch.Tensor, reqs: list[Request], use_native: bool) -> torc
     min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)  # [n, 1]
     top_k = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in params])  # [n]
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)  # [n]
-    filtered = (top_k < v) | (top_p < 1)
-    if not bool(filtered.any()):
-        return sample_native.sample_plain(logits, inv_temp, min_p, u, use_native)
-    if bool(filtered.all()):
-        w = sample_native.weights(logits, inv_temp, use_native)  # [n, V]
-        return sample_ops.sample_filtered(w, top_k, top_p, min_p, u)
+    with_k = top_k < v
+    top_p_only = ~with_k & (top_p < 1)
+    plain = ~with_k & ~top_p_only
+
+    def plain_rows(i):
+        return sample_native.sample_plain(logits[i], inv_temp[i], min_p[i], u[i], use_native)
+
+    def top_p_rows(i):
+        return sample_native.sample_top_p(logits[i], inv_temp[i], top_p[i], min_p[i], u[i],
+                                          use_native)
+
+    def top_k_rows(i):
+        w = sample_native.weights(logits[i], inv_temp[i], use_native)  # [len(i), V]
+        return sample_ops.sample_filtered(w, top_k[i], top_p[i], min_p[i], u[i])
+
     tokens = torch.empty(n, dtype=torch.long)
-    f, plain = filtered.nonzero().squeeze(1), (~filtered).nonzero().squeeze(1)
-    w = sample_native.weights(logits[f], inv_temp[f], use_native)  # [len(f), V]
-    tokens[f] = sample_ops.sample_filtered(w, top_k[f], top_p[f], min_p[f], u[f])
-    tokens[plain] = sample_native.sample_plain(logits[plain], inv_temp[plain], min_p[plain],
-                                               u[plain], use_native)
+    for rows, draw in ((plain, plain_rows), (top_p_only, top_p_rows), (with_k, top_k_rows)):
+        if bool(rows.all()):
+            return draw(slice(None))  # one kind: no copy of the logits
+        if bool(rows.any()):
+            i = rows.nonzero().squeeze(1)
+            tokens[i] = draw(i)
     return tokens
 
 

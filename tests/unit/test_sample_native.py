@@ -76,6 +76,65 @@ def test_same_token_as_the_torch_path(native, n, v):
     assert (got != want[1:]).sum() <= n // 100  # a tie at a boundary is rare, not the rule
 
 
+TOP_PS = torch.tensor([0.05, 0.3, 0.8, 0.9, 0.95, 0.99, 0.999], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("n, v", [(64, 49152), (300, 1000), (300, 37)])
+def test_top_p_same_token_as_the_torch_path(native, n, v):
+    """The fused top-p kernel draws what sample_ops.sample_top_p draws: a token inside the
+    reference's top-p and min-p set, in whose interval of that set's CDF the target lies (up
+    to rounding), and mostly the very same token."""
+    logits, inv_temp, min_p, u = batch(n, v, seed=v + 1)
+    gen = torch.Generator().manual_seed(v)
+    top_p = TOP_PS[torch.randint(0, len(TOP_PS), (n,), generator=gen)]
+    got = native.sample_top_p_rows(logits, inv_temp, top_p, min_p, u, sample_ops.EXP_FLOOR,
+                                   sample_ops.FLUSH_BELOW)
+    w = sample_ops.weights(logits, inv_temp)
+    want = sample_ops.sample_top_p(w, top_p, min_p, u)
+    assert got[0] == want[0] == 0 and got[1] == want[1] == v // 2
+    got, w, u, top_p, min_p = got[1:], w[1:], u[1:], top_p[1:], min_p[1:]
+    kept = w.masked_fill(w < torch.maximum(sample_ops.top_p_floor(w, top_p), min_p), 0.0)
+    assert (kept.gather(1, got.unsqueeze(1)) > 0).all()  # inside the set, never a zero weight
+    cum = kept.cumsum(dim=-1, dtype=torch.float64)
+    total = cum[:, -1]
+    target = u * total
+    hi = cum.gather(1, got.unsqueeze(1)).squeeze(1)
+    lo = hi - kept.gather(1, got.unsqueeze(1)).squeeze(1).double()
+    slack = REL * w.sum(dim=-1, dtype=torch.float64)
+    assert ((lo - slack <= target) & (target <= hi + slack)).all()
+    assert (got != want[1:]).sum() <= n // 100
+
+
+def test_top_p_keeps_the_heaviest_prefix_and_its_ties(native):
+    """Weights 1, .5, .5, .25, 0, .125, .125 (total 2.5): top-p 0.5 keeps the first three (the
+    tie whole), 0.85 four, 0.3 one; a grid of uniforms lands on each kept token in proportion
+    to its weight, on both paths."""
+    w = torch.tensor([1.0, 0.5, 0.5, 0.25, 0.0, 0.125, 0.125])
+    logits = torch.where(w > 0, w.log(), float("-inf"))
+    m = 1000
+    u = (torch.arange(m, dtype=torch.float64) + 0.5) / m
+    for p, mass in {0.3: [1, 0, 0, 0, 0, 0, 0], 0.5: [1, .5, .5, 0, 0, 0, 0],
+                    0.85: [1, .5, .5, .25, 0, 0, 0]}.items():
+        top_p = torch.full((m,), p, dtype=torch.float64)
+        args = (logits.expand(m, 7).contiguous(), torch.ones(m, 1), top_p, torch.zeros(m, 1), u)
+        got = native.sample_top_p_rows(*args, sample_ops.EXP_FLOOR, sample_ops.FLUSH_BELOW)
+        assert torch.equal(got, sample_native.sample_top_p(*args, use_native=False)), p
+        want = torch.tensor(mass, dtype=torch.float64) / sum(mass) * m
+        assert (torch.bincount(got, minlength=7).double() - want).abs().max() <= 1, p
+
+
+@pytest.mark.parametrize("candidates", [(8, 64), (256, 4096)])
+def test_top_p_floor_candidates_and_histogram_agree(monkeypatch, candidates):
+    """The reference finds each row's floor among its heaviest candidates where they suffice
+    and by the weight histogram elsewhere: both ways give the same floor for every row."""
+    monkeypatch.setattr(sample_ops, "TOP_P_CANDIDATES", candidates)
+    logits, inv_temp, _, _ = batch(200, 3000, seed=5)
+    w = sample_ops.weights(logits[2:], inv_temp[2:])  # rows 0 and 1 have one weight or none
+    top_p = TOP_PS.repeat(30)[:len(w)]
+    torch.testing.assert_close(sample_ops.top_p_floor(w, top_p),
+                               sample_ops._histogram_floor(w, top_p), rtol=0, atol=0)
+
+
 def test_weights_match_and_keep_the_contract(native):
     logits, inv_temp, _, _ = batch(64, 49152, seed=1)
     got = native.sample_weights(logits, inv_temp, sample_ops.EXP_FLOOR, sample_ops.FLUSH_BELOW)

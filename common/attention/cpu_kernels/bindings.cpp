@@ -36,6 +36,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Fused temperature + min-p inverse-CDF sampling of each row (CPU, fp32)", release(),
         py::arg("logits"), py::arg("inv_temp"), py::arg("min_p"), py::arg("u"),
         py::arg("floor"), py::arg("flush"));
+  m.def("sample_top_p_rows", &sample_top_p_rows,
+        "Fused temperature + top-p + min-p inverse-CDF sampling of each row (CPU, fp32)",
+        release(), py::arg("logits"), py::arg("inv_temp"), py::arg("top_p"), py::arg("min_p"),
+        py::arg("u"), py::arg("floor"), py::arg("flush"));
 #if defined(__AVX512F__)
   m.attr("simd") = "avx512";
 #elif defined(__AVX2__) && defined(__FMA__)

@@ -180,3 +180,6 @@ at::Tensor argmax_rows(const at::Tensor& logits);
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& inv_temp,
                        const at::Tensor& min_p, const at::Tensor& u, double floor,
                        double flush);
+at::Tensor sample_top_p_rows(const at::Tensor& logits, const at::Tensor& inv_temp,
+                             const at::Tensor& top_p, const at::Tensor& min_p,
+                             const at::Tensor& u, double floor, double flush);
