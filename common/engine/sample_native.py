@@ -80,7 +80,8 @@ def sample_top_p(logits: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tens
     with uniforms u [n] fp64: what sample_ops.sample_top_p(weights(logits, inv_temp), ...)
     draws. Native: one call (weights, a histogram of their mass, the edge bucket sorted, the
     pick), where the torch path sorts up to 4,096 candidates per row and builds the histogram
-    in ~10 tensor passes for the rows that need more (68 ms against ~8 at 62 x 49,152)."""
+    in ~10 tensor passes for the rows that need more (~70 ms against ~10 per step at
+    64 x 49,152, SmolLM2's rows at T 0.8 / p 0.95, on a 2-core Zen 1)."""
     native = kernels_for(logits, use_native)
     if native is None:
         return sample_ops.sample_top_p(sample_ops.weights(logits, inv_temp), top_p, min_p, u)
