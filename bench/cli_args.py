@@ -26,6 +26,8 @@ def add_target_args(p: argparse.ArgumentParser, with_address: bool = True) -> No
                    "/v1/models")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature of every request (0: greedy)")
+    g.add_argument("--top-p", type=float, default=TargetConfig.top_p,
+                   help="top_p of every request (1: not sent)")
     g.add_argument("--no-ignore-eos", action="store_true",
                    help="let outputs stop at EOS (otherwise every output is exactly max_tokens)")
     g.add_argument("--request-timeout", type=float, default=600.0,
@@ -102,7 +104,7 @@ def target_from(args, base_url: str = "", grpc_addr: str = "", label: str = "") 
     return TargetConfig(api=args.api, base_url=base_url or getattr(args, "base_url", ""),
                         grpc_addr=grpc_addr or getattr(args, "grpc_addr", ""),
                         model_name=args.model_name, temperature=args.temperature,
-                        ignore_eos=not args.no_ignore_eos, timeout_s=args.request_timeout,
+                        top_p=args.top_p, ignore_eos=not args.no_ignore_eos, timeout_s=args.request_timeout,
                         label=label, tls_dir=args.tls_dir)
 
 

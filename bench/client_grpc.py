@@ -39,6 +39,8 @@ class GrpcClient:
         params = engine_pb2.SamplingParams(max_tokens=req.max_tokens,
                                            temperature=self._t.temperature,
                                            ignore_eos=self._t.ignore_eos)
+        if self._t.top_p < 1:
+            params.top_p = self._t.top_p
         msg = router_pb2.GenerateRequest(model=self._t.model_name, params=params)
         if req.is_chat:
             msg.chat.CopyFrom(router_pb2.ChatMessages(messages=[

@@ -47,6 +47,8 @@ class HttpClient:
         body = {"model": self._model, "max_tokens": req.max_tokens, "stream": True,
                 "stream_options": {"include_usage": True},
                 "temperature": self._t.temperature, "ignore_eos": self._t.ignore_eos}
+        if self._t.top_p < 1:
+            body["top_p"] = self._t.top_p
         if req.is_chat:
             return "/v1/chat/completions", dict(body, messages=messages)
         prompt = req.prompt if req.prompt is not None else list(req.prompt_ids)

@@ -14,6 +14,7 @@ class TargetConfig:
     grpc_addr: str = "127.0.0.1:50050"  # the router's gRPC API
     model_name: str = ""  # http: '' -> the first model /v1/models lists
     temperature: float = 0.0
+    top_p: float = 1.0  # < 1: every request sends top_p (what many OpenAI clients do)
     ignore_eos: bool = True  # outputs as long as asked, so runs compare like with like
     timeout_s: float = 600.0
     label: str = ""  # how reports name it ('' -> the address)
@@ -27,6 +28,8 @@ class TargetConfig:
                              f"{self.base_url!r}")
         if self.temperature < 0 or not self.timeout_s > 0:
             raise ValueError("temperature must be >= 0 and timeout_s > 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def name(self) -> str:
