@@ -104,8 +104,8 @@ def target_from(args, base_url: str = "", grpc_addr: str = "", label: str = "") 
     return TargetConfig(api=args.api, base_url=base_url or getattr(args, "base_url", ""),
                         grpc_addr=grpc_addr or getattr(args, "grpc_addr", ""),
                         model_name=args.model_name, temperature=args.temperature,
-                        top_p=args.top_p, ignore_eos=not args.no_ignore_eos, timeout_s=args.request_timeout,
-                        label=label, tls_dir=args.tls_dir)
+                        top_p=args.top_p, ignore_eos=not args.no_ignore_eos,
+                        timeout_s=args.request_timeout, label=label, tls_dir=args.tls_dir)
 
 
 def serve_config_from(args, target: TargetConfig) -> ServeConfig:
