@@ -137,18 +137,20 @@ def top_p_floor(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         rows = rows[~fits]
         if not rows.numel():
             return floor
-    floor[rows] = _histogram_floor(w[rows], top_p[rows])
+    floor[rows] = _histogram_floor(w[rows], limit[rows])
     return floor
 
 
 def top_p_keep_(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """In place on weights w [n, V] (top 1, zeros allowed), top_p [n] fp64: zero every token
     outside the top-p set (top_p_floor), found by the weight histogram."""
-    return w.masked_fill_(w < _histogram_floor(w, top_p), 0.0)
+    limit = top_p * w.sum(dim=-1, dtype=torch.float64)
+    return w.masked_fill_(w < _histogram_floor(w, limit), 0.0)
 
 
-def _histogram_floor(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """top_p_floor [n, 1] without sorting: a histogram of the mass by weight bucket
+def _histogram_floor(w: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """top_p_floor [n, 1] for the rows' mass limits [n] (top_p * total) without sorting: a
+    histogram of the mass by weight bucket
     (floor(log2(w) * KEY_STEPS)) finds the bucket where the running mass from the top crosses
     the limit: heavier buckets are in, lighter ones out, and only that bucket's tokens are
     sorted, which gives the lightest weight kept."""
@@ -157,7 +159,6 @@ def _histogram_floor(w: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     slot = key.clamp(min=1 - NUM_KEYS).add_(NUM_KEYS - 1).long()  # 0 .. NUM_KEYS - 1
     mass = torch.zeros(n, NUM_KEYS, dtype=torch.float64).scatter_add_(1, slot, w.double())
     from_top = mass.flip(-1).cumsum(dim=-1)  # [n, NUM_KEYS] mass at or above
-    limit = top_p * w.sum(dim=-1, dtype=torch.float64)
     pos = torch.searchsorted(from_top, limit.unsqueeze(1)).squeeze(1).clamp(max=NUM_KEYS - 1)
     edge = (-pos).unsqueeze(1).to(key.dtype)  # [n, 1] the key where the limit is crossed
     above = torch.where(pos > 0, from_top.gather(1, (pos - 1).clamp(min=0).unsqueeze(1))
