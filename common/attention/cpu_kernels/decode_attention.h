@@ -183,6 +183,42 @@ inline void qk8_avx512(const float* q, int64_t d, const T* kt, int64_t row_strid
 }
 #endif
 
+#ifdef PDSERVE_AVX2
+// Scores of 4 tokens against GC <= 3 queries, 8 lanes of d at a time: each K vector is loaded
+// and widened once for all GC queries. 4 * GC accumulators, GC queries and one K vector fill at
+// most the 16 registers. Why not 8 tokens per query, one query at a time: that widened each K
+// vector once per query (3x for SmolLM2's groups), and on a 128-bit datapath (Zen 1) a bf16
+// widening costs as many micro-ops as the FMA it feeds. sc[g * sc_stride + j] = q[g] . k[j].
+template <int GC, typename T>
+inline void qk4_avx2(const float* q, int64_t d, const T* kt, int64_t row_stride, float* sc,
+                     int64_t sc_stride) {
+  __m256 a[GC][4];
+#pragma GCC unroll 4
+  for (int g = 0; g < GC; ++g)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; c += 8) {
+    __m256 qv[GC];
+#pragma GCC unroll 4
+    for (int g = 0; g < GC; ++g) qv[g] = _mm256_loadu_ps(q + g * d + c);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kv = load8(kt + j * row_stride + c);
+#pragma GCC unroll 4
+      for (int g = 0; g < GC; ++g) a[g][j] = _mm256_fmadd_ps(qv[g], kv, a[g][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GC; ++g) {
+    // lanes 0-3 of u = the sums of a[g][0..3]'s lanes 0-3, lanes 4-7 those of lanes 4-7
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]),
+                                    _mm256_hadd_ps(a[g][2], a[g][3]));
+    _mm_storeu_ps(sc + g * sc_stride,
+                  _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+  }
+}
+#endif
+
 // Scores of nt consecutive tokens of one block against the G queries:
 // sc[g * sc_stride + t] = q[g] . k[t], K rows row_stride apart. Also prefetches the same rows
 // of the blocks at pf_a and pf_b (either may be null) for the caller.
@@ -211,32 +247,23 @@ void qk_block(const float* q, int64_t group, int64_t d, const T* k, int64_t row_
   }
 #endif
 #ifdef PDSERVE_AVX2
-  // 8 tokens at a time: 8 accumulators per query, reduced together into one vector of 8 scores
-  // (one horizontal reduction per 8 dots instead of per dot)
+  // 4 tokens at a time, queries in chunks of 3 (qk4_avx2): each K vector widened once for the
+  // chunk's queries
   if (d % 8 == 0) {
-    for (; t + 8 <= nt; t += 8) {
-      for (int64_t j = t; j < t + 8; ++j) {
+    for (; t + 4 <= nt; t += 4) {
+      for (int64_t j = t; j < t + 4; ++j) {
         if (pf_a) prefetch_row(pf_a + j * row_stride, d);
         if (pf_b) prefetch_row(pf_b + j * row_stride, d);
       }
       const T* kt = k + t * row_stride;
-      for (int64_t g = 0; g < group; ++g) {
+      for (int64_t g = 0; g < group; g += 3) {
         const float* qg = q + g * d;
-        __m256 a[8];
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < d; c += 8) {
-          const __m256 qv = _mm256_loadu_ps(qg + c);
-#pragma GCC unroll 8
-          for (int j = 0; j < 8; ++j)
-            a[j] = _mm256_fmadd_ps(qv, load8(kt + j * row_stride + c), a[j]);
+        float* sg = sc + g * sc_stride + t;
+        switch (std::min<int64_t>(3, group - g)) {
+          case 1: qk4_avx2<1>(qg, d, kt, row_stride, sg, sc_stride); break;
+          case 2: qk4_avx2<2>(qg, d, kt, row_stride, sg, sc_stride); break;
+          default: qk4_avx2<3>(qg, d, kt, row_stride, sg, sc_stride); break;
         }
-        // lane j of the result = sum of a[j]'s lanes
-        const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-        const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-        const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                                         _mm256_permute2f128_ps(u0, u1, 0x31));
-        _mm256_storeu_ps(sc + g * sc_stride + t, sum);
       }
     }
   }
@@ -252,10 +279,64 @@ void qk_block(const float* q, int64_t group, int64_t d, const T* k, int64_t row_
 #ifdef PDSERVE_AVX2
 // acc[g] += sum_t p[g, t] * v[t] for GC query heads, 8 lanes of d at a time: the GC
 // accumulators stay in registers over the tokens, each V vector is loaded once for all of them.
+// Wider passes where the registers allow: 32 lanes with GC <= 3, 16 with GC <= 4, so 2-4 * GC
+// independent FMA chains instead of GC (an FMA's latency is 4-5 cycles: 3 chains left the FMA
+// units idle ~40% of the time) and each weight broadcast once per 16 or 32 lanes. Every output
+// element is the same sum in the same order on every path.
 template <int GC, typename T>
 void pv_chunk(float* acc, int64_t d, const float* p, int64_t p_stride, const T* v,
               int64_t row_stride, int64_t nt) {
-  for (int64_t c = 0; c < d; c += 8) {
+  int64_t c = 0;
+  if constexpr (GC <= 3) {  // 32 lanes: 4 * GC accumulators, GC weights and one V vector
+    for (; c + 32 <= d; c += 32) {
+      __m256 a[4][GC];
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u)
+#pragma GCC unroll 4
+        for (int g = 0; g < GC; ++g) a[u][g] = _mm256_loadu_ps(acc + g * d + c + 8 * u);
+      for (int64_t t = 0; t < nt; ++t) {
+        __m256 pw[GC];
+#pragma GCC unroll 4
+        for (int g = 0; g < GC; ++g) pw[g] = _mm256_broadcast_ss(p + g * p_stride + t);
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) {
+          const __m256 vv = load8(v + t * row_stride + c + 8 * u);
+#pragma GCC unroll 4
+          for (int g = 0; g < GC; ++g) a[u][g] = _mm256_fmadd_ps(pw[g], vv, a[u][g]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u)
+#pragma GCC unroll 4
+        for (int g = 0; g < GC; ++g) _mm256_storeu_ps(acc + g * d + c + 8 * u, a[u][g]);
+    }
+  }
+  if constexpr (GC <= 4) {
+    for (; c + 16 <= d; c += 16) {
+      __m256 a[GC], b[GC];
+#pragma GCC unroll 4
+      for (int g = 0; g < GC; ++g) {
+        a[g] = _mm256_loadu_ps(acc + g * d + c);
+        b[g] = _mm256_loadu_ps(acc + g * d + c + 8);
+      }
+      for (int64_t t = 0; t < nt; ++t) {
+        const __m256 v0 = load8(v + t * row_stride + c);
+        const __m256 v1 = load8(v + t * row_stride + c + 8);
+#pragma GCC unroll 4
+        for (int g = 0; g < GC; ++g) {
+          const __m256 pw = _mm256_broadcast_ss(p + g * p_stride + t);
+          a[g] = _mm256_fmadd_ps(pw, v0, a[g]);
+          b[g] = _mm256_fmadd_ps(pw, v1, b[g]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int g = 0; g < GC; ++g) {
+        _mm256_storeu_ps(acc + g * d + c, a[g]);
+        _mm256_storeu_ps(acc + g * d + c + 8, b[g]);
+      }
+    }
+  }
+  for (; c < d; c += 8) {
     __m256 a[GC];
 #pragma GCC unroll 8
     for (int g = 0; g < GC; ++g) a[g] = _mm256_loadu_ps(acc + g * d + c);
