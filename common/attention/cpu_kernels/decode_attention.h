@@ -157,8 +157,8 @@ inline __m256 reduce8x16(const __m512* a) {
 }
 
 // Scores of 8 tokens against GC <= 3 queries, 16 lanes of d at a time: each K vector is loaded
-// and widened once for all GC queries (8 * GC accumulators + GC queries fit the 32 registers),
-// where the AVX2 loop widens it once per query. sc[g * sc_stride + j] = q[g] . k[j].
+// and widened once for all GC queries (8 * GC accumulators + GC queries fit the 32 registers;
+// qk4_avx2 is the same for 4 tokens in 16). sc[g * sc_stride + j] = q[g] . k[j].
 template <int GC, typename T>
 inline void qk8_avx512(const float* q, int64_t d, const T* kt, int64_t row_stride, float* sc,
                        int64_t sc_stride) {
@@ -277,78 +277,58 @@ void qk_block(const float* q, int64_t group, int64_t d, const T* k, int64_t row_
 }
 
 #ifdef PDSERVE_AVX2
-// acc[g] += sum_t p[g, t] * v[t] for GC query heads, 8 lanes of d at a time: the GC
-// accumulators stay in registers over the tokens, each V vector is loaded once for all of them.
-// Wider passes where the registers allow: 32 lanes with GC <= 3, 16 with GC <= 4, so 2-4 * GC
-// independent FMA chains instead of GC (an FMA's latency is 4-5 cycles: 3 chains left the FMA
-// units idle ~40% of the time) and each weight broadcast once per 16 or 32 lanes. Every output
-// element is the same sum in the same order on every path.
+// acc[g][c, c + 8 U) += sum_t p[g, t] * v[t][c, c + 8 U) for GC query heads, for each c from
+// *c in steps of 8 U while the pass fits d (*c left at the first column not done): U * GC
+// accumulators stay in registers over the tokens, each V vector is loaded once for all heads
+// and each weight broadcast once per 8 U lanes. Why U > 1: an FMA's latency is 4-5 cycles, so
+// with U = 1 and 3 heads the FMA units idled ~40% of the time. Every output element is the same
+// sum in the same order whatever U.
+template <int GC, int U, typename T>
+void pv_lanes(float* acc, int64_t d, int64_t* c, const float* p, int64_t p_stride, const T* v,
+              int64_t row_stride, int64_t nt) {
+  for (; *c + 8 * U <= d; *c += 8 * U) {
+    float* out = acc + *c;
+    const T* vc = v + *c;
+    __m256 a[U][GC];
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u)
+#pragma GCC unroll 8
+      for (int g = 0; g < GC; ++g) a[u][g] = _mm256_loadu_ps(out + g * d + 8 * u);
+    for (int64_t t = 0; t < nt; ++t) {
+      if constexpr (U == 1) {  // up to 8 heads: each weight broadcast where it is used
+        const __m256 vv = load8(vc + t * row_stride);
+#pragma GCC unroll 8
+        for (int g = 0; g < GC; ++g)
+          a[0][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * p_stride + t), vv, a[0][g]);
+      } else {
+        __m256 pw[GC];
+#pragma GCC unroll 8
+        for (int g = 0; g < GC; ++g) pw[g] = _mm256_broadcast_ss(p + g * p_stride + t);
+#pragma GCC unroll 8
+        for (int u = 0; u < U; ++u) {
+          const __m256 vv = load8(vc + t * row_stride + 8 * u);
+#pragma GCC unroll 8
+          for (int g = 0; g < GC; ++g) a[u][g] = _mm256_fmadd_ps(pw[g], vv, a[u][g]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u)
+#pragma GCC unroll 8
+      for (int g = 0; g < GC; ++g) _mm256_storeu_ps(out + g * d + 8 * u, a[u][g]);
+  }
+}
+
+// acc[g] += sum_t p[g, t] * v[t] for GC query heads, d a multiple of 8: the widest pass whose
+// accumulators, weights and one V vector fit the 16 registers (32 lanes with GC <= 3, 16 with
+// GC <= 4), then 8 lanes for what is left.
 template <int GC, typename T>
 void pv_chunk(float* acc, int64_t d, const float* p, int64_t p_stride, const T* v,
               int64_t row_stride, int64_t nt) {
   int64_t c = 0;
-  if constexpr (GC <= 3) {  // 32 lanes: 4 * GC accumulators, GC weights and one V vector
-    for (; c + 32 <= d; c += 32) {
-      __m256 a[4][GC];
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u)
-#pragma GCC unroll 4
-        for (int g = 0; g < GC; ++g) a[u][g] = _mm256_loadu_ps(acc + g * d + c + 8 * u);
-      for (int64_t t = 0; t < nt; ++t) {
-        __m256 pw[GC];
-#pragma GCC unroll 4
-        for (int g = 0; g < GC; ++g) pw[g] = _mm256_broadcast_ss(p + g * p_stride + t);
-#pragma GCC unroll 4
-        for (int u = 0; u < 4; ++u) {
-          const __m256 vv = load8(v + t * row_stride + c + 8 * u);
-#pragma GCC unroll 4
-          for (int g = 0; g < GC; ++g) a[u][g] = _mm256_fmadd_ps(pw[g], vv, a[u][g]);
-        }
-      }
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u)
-#pragma GCC unroll 4
-        for (int g = 0; g < GC; ++g) _mm256_storeu_ps(acc + g * d + c + 8 * u, a[u][g]);
-    }
-  }
-  if constexpr (GC <= 4) {
-    for (; c + 16 <= d; c += 16) {
-      __m256 a[GC], b[GC];
-#pragma GCC unroll 4
-      for (int g = 0; g < GC; ++g) {
-        a[g] = _mm256_loadu_ps(acc + g * d + c);
-        b[g] = _mm256_loadu_ps(acc + g * d + c + 8);
-      }
-      for (int64_t t = 0; t < nt; ++t) {
-        const __m256 v0 = load8(v + t * row_stride + c);
-        const __m256 v1 = load8(v + t * row_stride + c + 8);
-#pragma GCC unroll 4
-        for (int g = 0; g < GC; ++g) {
-          const __m256 pw = _mm256_broadcast_ss(p + g * p_stride + t);
-          a[g] = _mm256_fmadd_ps(pw, v0, a[g]);
-          b[g] = _mm256_fmadd_ps(pw, v1, b[g]);
-        }
-      }
-#pragma GCC unroll 4
-      for (int g = 0; g < GC; ++g) {
-        _mm256_storeu_ps(acc + g * d + c, a[g]);
-        _mm256_storeu_ps(acc + g * d + c + 8, b[g]);
-      }
-    }
-  }
-  for (; c < d; c += 8) {
-    __m256 a[GC];
-#pragma GCC unroll 8
-    for (int g = 0; g < GC; ++g) a[g] = _mm256_loadu_ps(acc + g * d + c);
-    for (int64_t t = 0; t < nt; ++t) {
-      const __m256 vv = load8(v + t * row_stride + c);
-#pragma GCC unroll 8
-      for (int g = 0; g < GC; ++g)
-        a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * p_stride + t), vv, a[g]);
-    }
-#pragma GCC unroll 8
-    for (int g = 0; g < GC; ++g) _mm256_storeu_ps(acc + g * d + c, a[g]);
-  }
+  if constexpr (GC <= 3) pv_lanes<GC, 4>(acc, d, &c, p, p_stride, v, row_stride, nt);
+  if constexpr (GC <= 4) pv_lanes<GC, 2>(acc, d, &c, p, p_stride, v, row_stride, nt);
+  pv_lanes<GC, 1>(acc, d, &c, p, p_stride, v, row_stride, nt);
 }
 #endif
 
