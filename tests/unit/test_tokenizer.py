@@ -37,9 +37,10 @@ def ours(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def hf(smollm2_path):
+def hf(smollm2_path, gguf_parse_cache):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+    with gguf_parse_cache.active():
+        return AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
 
 
 def test_ids_match_transformers(ours, hf):
