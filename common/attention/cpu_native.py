@@ -1,7 +1,7 @@
 """Native CPU kernels (cpu_kernels/*.cpp), built just in time into one module: paged decode
 attention (paged_attention.cpp), paged prefill attention (prefill_attention.cpp), the fused layer
 step and RMSNorm (layer_ops.cpp), fused temperature sampling (sampling.cpp); the Python bindings
-(bindings.cpp, the one translation unit that pays for <torch/extension.h>).
+(bindings.cpp, the one translation unit that pays for torch's Python headers).
 
 Why native: on the CPU the torch path's gather of the paged KV into dense tensors costs more than
 the attention itself; the kernels read each K/V row straight through the block table.
@@ -36,7 +36,7 @@ import torch
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent / "cpu_kernels"
-# bindings.cpp first: it compiles longest (<torch/extension.h>), so ninja starts it first and
+# bindings.cpp first: it compiles longest (<torch/python.h>), so ninja starts it first and
 # the kernels compile beside it
 SOURCES = tuple(KERNEL_DIR / n for n in ("bindings.cpp", "paged_attention.cpp",
                                            "prefill_attention.cpp", "layer_ops.cpp",

@@ -1,6 +1,7 @@
 // The Python module of the native CPU kernels: the only translation unit that includes
-// <torch/extension.h> (pybind11 and torch's tensor casters), see kernels.h.
-#include <torch/extension.h>
+// <torch/python.h> (pybind11 and torch's tensor casters; not <torch/extension.h>, whose C++
+// API the bindings do not use and which took 10 s more to compile), see kernels.h.
+#include <torch/python.h>
 
 #include "kernels.h"
 

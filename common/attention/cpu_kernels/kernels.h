@@ -2,8 +2,9 @@
 // module by pdserve/common/attention/cpu_native.py).
 //
 // Only ATen's tensor and parallel_for headers here (outputs come from Tensor::new_empty):
-// <torch/extension.h> (all of torch's C++ API plus pybind11) costs ~45 s of compile time per
-// translation unit, so only the bindings (bindings.cpp) include it.
+// torch's Python headers cost ~30 s of compile time per translation unit (<torch/python.h>;
+// <torch/extension.h>, which adds all of torch's C++ API, ~45 s), so only the bindings
+// (bindings.cpp) include them, and only <torch/python.h>.
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -22,8 +22,9 @@ from pdserve.common.attention.cpu_native import (_cpu_flags, build_or_import, co
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent / "cpu_kernels"
-# packed_gemm.cpp first: it compiles longest (<torch/extension.h>)
-SOURCES = (KERNEL_DIR / "packed_gemm.cpp", KERNEL_DIR / "fused_layer.cpp")
+# bindings.cpp first: it compiles longest (torch's Python headers), and beside it the kernels
+SOURCES = (KERNEL_DIR / "bindings.cpp", KERNEL_DIR / "packed_gemm.cpp",
+           KERNEL_DIR / "fused_layer.cpp")
 
 
 def packed_compile_flags() -> list[str]:
@@ -45,7 +46,8 @@ def module_name(flags: list[str], kernel_dir: Path = KERNEL_DIR) -> str:
 
 def _build_or_import(kernel_dir: Path = KERNEL_DIR) -> ModuleType:
     flags = packed_compile_flags()
-    sources = tuple(kernel_dir / p.name for p in SOURCES)
+    # a checkout from before 2026-12-06 has its bindings inside packed_gemm.cpp
+    sources = tuple(kernel_dir / p.name for p in SOURCES if (kernel_dir / p.name).is_file())
     return build_or_import(module_name(flags, kernel_dir), sources, flags,
                            f"packed-weight GEMM kernels ({kernel_dir})")
 
@@ -54,7 +56,7 @@ def build_checkout_kernels(root: Path) -> ModuleType:
     """The packed kernels built from the checkout at `root` (its sources, this build's flags
     and cache): bench/kernel_ab.py times another version's kernels beside this one's."""
     kernel_dir = Path(root).resolve() / KERNEL_DIR.relative_to(KERNEL_DIR.parents[3])
-    if not all((kernel_dir / p.name).is_file() for p in SOURCES):
+    if not all((kernel_dir / n).is_file() for n in ("packed_gemm.cpp", "fused_layer.cpp")):
         raise ValueError(f"{root} has no packed-kernel sources under {kernel_dir}")
     return _build_or_import(kernel_dir)
 

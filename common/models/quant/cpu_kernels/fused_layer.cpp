@@ -17,6 +17,7 @@
 // Only for decodes at fewer rows than the packed GEMM's panel path (M < PANEL_MIN_M): the
 // caller (packed_layer.py) takes the seven calls otherwise.
 
+#include "packed_api.h"
 #include "packed_kernels.h"
 
 #include "../../../attention/cpu_kernels/decode_attention.h"

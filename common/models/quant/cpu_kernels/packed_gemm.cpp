@@ -36,30 +36,10 @@
 // at::parallel_for over output rows (OpenMP).
 
 
-#include <torch/extension.h>
+#include <ATen/ops/empty.h>
 
+#include "packed_api.h"
 #include "packed_kernels.h"
-
-// fused_layer.cpp: one decoder layer for a few decode tokens in one call
-at::Tensor packed_decode_layer(
-    const at::Tensor& x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
-    const at::Tensor& qkv_w, int64_t qkv_qt, const c10::optional<at::Tensor>& qkv_b,
-    const at::Tensor& o_w, int64_t o_qt, const c10::optional<at::Tensor>& o_b,
-    const at::Tensor& gu_w, int64_t gu_qt, const c10::optional<at::Tensor>& gu_b,
-    const at::Tensor& down_w, int64_t down_qt, const c10::optional<at::Tensor>& down_b,
-    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
-    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    double scale, int64_t num_heads);
-// fused_layer.cpp: a stack of such layers in one call
-at::Tensor packed_decode_layers(
-    const at::Tensor& x, const std::vector<at::Tensor>& ln1, const std::vector<at::Tensor>& ln2,
-    double eps, const std::vector<at::Tensor>& qkv_w, const std::vector<at::Tensor>& o_w,
-    const std::vector<at::Tensor>& gu_w, const std::vector<at::Tensor>& down_w,
-    const std::vector<int64_t>& qtypes, const std::vector<c10::optional<at::Tensor>>& biases,
-    const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& kv_caches,
-    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    double scale, int64_t num_heads);
-
 
 // x [M, K] fp32 (unit column stride; rows may be strided), w [N, K / block_size * block_bytes] uint8,
 // bias [N] fp32 or None, residual [M, N] fp32 (unit column stride) or None -> [M, N] fp32.
@@ -166,32 +146,6 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t n0,
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  auto release = [] { return py::call_guard<py::gil_scoped_release>(); };
-  m.def("packed_gemm", &packed_gemm, "x @ W^T (+ bias) (+ residual), W GGUF-packed (CPU, fp32)",
-        release(), py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none(),
-        py::arg("residual") = py::none());
-  m.def("packed_gemm_silu_mul", &packed_gemm_silu_mul,
-        "silu(x @ Wg^T + bg) * (x @ Wu^T + bu) for W = [gate; up] GGUF-packed (CPU, fp32)",
-        release(), py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
-  m.def("dequantize", &dequantize, "fp32 rows of a GGUF-packed weight (CPU)", release(),
-        py::arg("w"), py::arg("qtype"), py::arg("k"), py::arg("n0") = 0, py::arg("n1") = 0,
-        py::arg("rows") = py::none());
-  m.def("packed_decode_layer", &packed_decode_layer,
-        "One packed decoder layer for T < 4 decode tokens in one parallel region (CPU, fp32)",
-        release(), py::arg("x"), py::arg("ln1"), py::arg("ln2"), py::arg("eps"),
-        py::arg("qkv"), py::arg("qkv_qtype"), py::arg("qkv_bias"), py::arg("o"),
-        py::arg("o_qtype"), py::arg("o_bias"), py::arg("gate_up"), py::arg("gate_up_qtype"),
-        py::arg("gate_up_bias"), py::arg("down"), py::arg("down_qtype"), py::arg("down_bias"),
-        py::arg("cos"), py::arg("sin"), py::arg("kv_cache"), py::arg("slot_mapping"),
-        py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("num_heads"));
-  m.def("packed_decode_layers", &packed_decode_layers,
-        "A stack of packed decoder layers for T < 4 decode tokens in one parallel region",
-        release(), py::arg("x"), py::arg("ln1"), py::arg("ln2"), py::arg("eps"),
-        py::arg("qkv_w"), py::arg("o_w"), py::arg("gate_up_w"), py::arg("down_w"),
-        py::arg("qtypes"), py::arg("biases"), py::arg("cos"), py::arg("sin"),
-        py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("block_tables"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("num_heads"));
-  m.attr("fused_rows") = PANEL_MIN_M;  // packed_decode_layer takes fewer tokens than this
-  m.attr("simd") = PDSERVE_SIMD;
-}
+int64_t packed_fused_rows() { return PANEL_MIN_M; }
+
+const char* packed_simd() { return PDSERVE_SIMD; }

@@ -2,7 +2,8 @@
 // panel path, argument checks and dispatch), shared by the Python entry points
 // (packed_gemm.cpp) and the fused decoder layer (fused_layer.cpp). The format and ISA notes
 // are at the top of packed_gemm.cpp. Only ATen headers here (see attention/cpu_kernels/
-// kernels.h: <torch/extension.h> costs ~45 s of compile time per translation unit).
+// kernels.h: torch's Python headers cost ~30 s of compile time per translation unit, so only
+// bindings.cpp includes them).
 #pragma once
 
 #include <ATen/Parallel.h>
