@@ -44,10 +44,9 @@ def module_name(flags: list[str], kernel_dir: Path = KERNEL_DIR) -> str:
     return sources_module_name("pdserve_packed_gemm", kernel_dir, flags + [attention])
 
 
-def _build_or_import(kernel_dir: Path = KERNEL_DIR) -> ModuleType:
+def _build_or_import(kernel_dir: Path = KERNEL_DIR, sources: tuple[Path, ...] = SOURCES
+                     ) -> ModuleType:
     flags = packed_compile_flags()
-    # a checkout from before 2026-12-06 has its bindings inside packed_gemm.cpp
-    sources = tuple(kernel_dir / p.name for p in SOURCES if (kernel_dir / p.name).is_file())
     return build_or_import(module_name(flags, kernel_dir), sources, flags,
                            f"packed-weight GEMM kernels ({kernel_dir})")
 
@@ -58,7 +57,9 @@ def build_checkout_kernels(root: Path) -> ModuleType:
     kernel_dir = Path(root).resolve() / KERNEL_DIR.relative_to(KERNEL_DIR.parents[3])
     if not all((kernel_dir / n).is_file() for n in ("packed_gemm.cpp", "fused_layer.cpp")):
         raise ValueError(f"{root} has no packed-kernel sources under {kernel_dir}")
-    return _build_or_import(kernel_dir)
+    # a checkout from before 2026-12-06 has its bindings inside packed_gemm.cpp
+    sources = tuple(kernel_dir / p.name for p in SOURCES if (kernel_dir / p.name).is_file())
+    return _build_or_import(kernel_dir, sources)
 
 
 @functools.lru_cache(maxsize=1)
