@@ -52,12 +52,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                  activation: str = "none") -> torch.Tensor:
-    """x [T, in] -> act(x W^T + b) [T, out] with a weight from `pack_weight` (a plain fp32
-    [out, in] weight works too: oneDNN then reorders it per call); `activation`
-    ("none" or "swish", i.e. SiLU) runs as a oneDNN post-op, in the GEMM's own pass."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, activation, [], "")
+def packed_linear(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] -> x W^T + b [T, out] with a weight from `pack_weight` (a plain fp32 [out, in]
+    weight works too: oneDNN then reorders it per call)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def packed_linear_binary(x: torch.Tensor, other: torch.Tensor, packed: torch.Tensor,

@@ -10,10 +10,10 @@ with tp_rank / tp_size and gives the row-parallel ones the group's communicator:
   which also is what makes the CPU path fast (one GEMM instead of three).
 
 On the CPU the engine may `pack_onednn()` every layer after loading (cpu_gemm.py): the weight is
-reordered once for oneDNN and the plain copy dropped; the layers then also fuse their neighbours
-into the GEMM as oneDNN post-ops (SiLU-and-mul for gate/up, the residual add for row-parallel
-outputs). Without packing the same methods run the unfused torch ops, with the same results up
-to fp32 rounding.
+reordered once for oneDNN and the plain copy dropped (a fused layer's projections stay one
+GEMM); row-parallel layers then also fuse the residual add into the GEMM as a oneDNN post-op.
+Gate/up's SiLU-and-mul is one vectorized pass after its GEMM (quant/gemm.py's `silu_and_mul`).
+Without packing the same methods run torch's ops, with the same results up to fp32 rounding.
 
 GGUF-quantized weights may instead stay packed (quant/packed.py): `load_packed` takes each
 shard's blocks, `finish_loading` stacks them into one `packed_weight` and drops the fp32
@@ -32,6 +32,7 @@ from torch import nn
 from pdserve.common.models.cpu_gemm import pack_weight, packed_linear, packed_linear_binary
 from pdserve.common.models.quant.gemm import packed_linear as quant_linear
 from pdserve.common.models.quant.gemm import packed_silu_and_mul as quant_silu_and_mul
+from pdserve.common.models.quant.gemm import silu_and_mul
 from pdserve.common.models.quant.packed import PackedWeight
 
 logger = logging.getLogger(__name__)
@@ -150,37 +151,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.shards = shards or [even_shard(s, tp_rank, tp_size, "out_features")
                                  for s in out_sizes]
         self._setup(in_features, sum(n for _, n in self.shards), bias, tp_rank, tp_size)
-        self.packed_shards: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     def weight_loader(self, param, full, shard_id=None):
         local = sum(n for _, n in self.shards[:shard_id])
         start, n = self.shards[shard_id]
         param.data[local:local + n].copy_(full[start:start + n])
 
-    def pack_onednn(self) -> None:
-        """One packed GEMM per projection, so `silu_and_mul` can fuse into them."""
-        sizes = [n for _, n in self.shards]
-        ws = self.weight.detach().split(sizes)
-        bs = self.bias.detach().split(sizes) if self.bias is not None else [None] * len(ws)
-        self.packed_shards = [(pack_weight(w), b) for w, b in zip(ws, bs)]
-        self.weight = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_shards is not None:
-            return torch.cat([packed_linear(x, w, b) for w, b in self.packed_shards], dim=-1)
-        return super().forward(x)
-
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> silu(gate) * up [T, out / 2] for a [gate, up] pair of projections;
-        packed, SiLU and the product run inside the two GEMMs (no [T, 2 * out] round trip)."""
-        if self.packed_shards is not None:
-            (wg, bg), (wu, bu) = self.packed_shards
-            gate = packed_linear(x, wg, bg, activation="swish")
-            return packed_linear_binary(x, gate, wu, bu, "mul")
-        if self.packed_weight is not None:  # GGUF blocks: fused on the large-M path too
+        """x [T, in] -> silu(gate) * up [T, out / 2] for a [gate, up] pair of projections: one
+        GEMM makes [T, out] = [gate | up] and one vectorized pass the SiLU and the product
+        (quant/gemm.py's `silu_and_mul`; with GGUF blocks below the switch point, SiLU is fused
+        into the packed kernel's store instead)."""
+        if self.packed_weight is not None:
             return quant_silu_and_mul(x, self.packed_weight, self.bias)
-        gate, up = super().forward(x).chunk(2, dim=-1)
-        return nn.functional.silu(gate) * up
+        return silu_and_mul(self(x))
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -200,9 +184,6 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
     def weight_loader(self, param, full, shard_id=None):
         super().weight_loader(param, full, {"q": 0, "k": 1, "v": 2}[shard_id])
-
-    def pack_onednn(self) -> None:
-        ColumnParallelLinear.pack_onednn(self)  # q, k and v stay one GEMM
 
 
 class RowParallelLinear(_PackedLoading, nn.Module):

@@ -104,14 +104,51 @@ def test_dispatch_both_sides_of_the_switch(monkeypatch, qtype, m, tile):
 @pytest.mark.parametrize("m", [1, 3, 5, LARGE_M])
 @pytest.mark.parametrize("bias", [False, True])
 def test_silu_and_mul_matches_fp32(qtype, m, bias):
-    """gate/up's fused SiLU-and-mul: in the packed kernel below the switch (rows expanded per
-    row at M < 4, panels from 4), oneDNN post-ops on the expanded weight at large M."""
+    """gate/up's SiLU-and-mul: fused in the packed kernel below the switch (rows expanded per
+    row at M < 4, panels from 4); one GEMM on the expanded weight and one pass at large M."""
     w, ref = make_weight(qtype, 2 * 40, 96)
     g = torch.Generator().manual_seed(m)
     x, b = torch.randn(m, 96, generator=g), torch.randn(80, generator=g) if bias else None
     gate, up = reference(x, ref, b).split(40, dim=-1)
     torch.testing.assert_close(gemm.packed_silu_and_mul(x, w, b),
                                torch.nn.functional.silu(gate) * up, **tol(96))
+
+
+@pytest.mark.parametrize("rows,h", [(1, 1), (3, 7), (2, 40), (5, 1536)])
+def test_native_silu_mul_matches_float64(rows, h):
+    """The one-pass SiLU-and-mul after a plain GEMM (16- or 8-lane bodies and a scalar tail,
+    Cephes exp within 2 ulp) against silu(gate) * up in float64, on contiguous rows and on rows
+    of a wider tensor; gates span -120 .. 120, past the exp's clamp on both sides."""
+    native = load_packed_kernels()
+    g = torch.Generator().manual_seed(rows * 10000 + h)
+    wide = torch.randn(rows, 2 * h + 3, generator=g) * 6
+    wide[0, :h] = torch.linspace(-120, 120, h)
+    for y in (wide[:, :2 * h], wide[:, :2 * h].contiguous()):
+        gate, up = y.double().split(h, dim=-1)
+        out = native.silu_mul(y)
+        assert out.shape == (rows, h) and out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), torch.nn.functional.silu(gate) * up,
+                                   rtol=1e-6, atol=1e-30)
+
+
+def test_native_silu_mul_keeps_nan_and_checks_its_input():
+    native = load_packed_kernels()
+    y = torch.ones(2, 34)
+    y[1, 5] = float("nan")  # a gate in the 8/16-lane body
+    y[1, 16] = float("nan")  # and one in the tail
+    out = native.silu_mul(y)
+    assert out[1, 5].isnan() and out[1, 16].isnan() and not out[0].isnan().any()
+    for bad in (torch.ones(3, 5), torch.ones(8), torch.ones(2, 8, dtype=torch.bfloat16),
+                torch.ones(8, 2).t()):
+        with pytest.raises(ValueError, match="silu_mul"):
+            native.silu_mul(bad)
+
+
+def test_silu_and_mul_without_native_is_torchs(monkeypatch):
+    y = torch.randn(9, 2 * 33)
+    native = gemm.silu_and_mul(y)
+    monkeypatch.setattr(gemm, "load_packed_kernels", lambda: None)
+    torch.testing.assert_close(gemm.silu_and_mul(y), native, rtol=1e-6, atol=1e-7)
 
 
 def test_silu_and_mul_needs_gate_and_up_halves():

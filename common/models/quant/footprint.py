@@ -11,7 +11,7 @@ from pdserve.common.models.quant.packed import PackedWeight
 
 def weights_footprint(model: nn.Module) -> WeightsFootprint:
     """Resident bytes of every parameter, GGUF-packed weight (`packed_weight`) and oneDNN
-    prepacked weight (`packed`, `packed_shards`: cpu_gemm.py), each storage counted once (a tied
+    prepacked weight (`packed`: cpu_gemm.py), each storage counted once (a tied
     head shares the embedding's), beside the bytes all of them take as fp32."""
     seen: set[int] = set()
     resident = fp32 = 0
@@ -32,11 +32,9 @@ def weights_footprint(model: nn.Module) -> WeightsFootprint:
         w = getattr(module, "packed_weight", None)
         if isinstance(w, PackedWeight):
             count(w.data, w.fp32_nbytes)
-        onednn = [getattr(module, "packed", None)] + [
-            t for t, _ in (getattr(module, "packed_shards", None) or [])]
-        for t in onednn:
-            if isinstance(t, torch.Tensor):
-                count(t, t.numel() * 4)
+        onednn = getattr(module, "packed", None)
+        if isinstance(onednn, torch.Tensor):
+            count(onednn, onednn.numel() * 4)
     return WeightsFootprint(resident, fp32)
 
 

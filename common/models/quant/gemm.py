@@ -97,23 +97,24 @@ def packed_silu_and_mul(x: torch.Tensor, w: PackedWeight,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] -> silu(x Wg^T + bg) * (x Wu^T + bu) [M, N / 2] for W = [gate; up] [N, K].
     Below the switch point the native kernel computes the SiLU and the product as it stores
-    (`packed_gemm_silu_mul`: one call, no [M, N] tensor to split). On the large-M CPU path with oneDNN and a weight that fits EXPAND_BYTES, SiLU and the
-    product run as post-ops of the two GEMMs on the one expanded weight, as the fp32 path's
-    MergedColumnParallelLinear does (no [M, N] round trip)."""
-    half = w.out_features // 2
+    (`packed_gemm_silu_mul`: one call, no [M, N] tensor to split). From there on one GEMM makes
+    [M, N] = [gate | up] (`packed_linear`: the weight expanded, oneDNN) and `silu_and_mul` one
+    pass over it: on an AVX2 Zen 1 1.1x faster at M 2048 than oneDNN's swish and binary-mul
+    post-ops on two GEMMs."""
     native = load_packed_kernels() if x.device.type == "cpu" else None
     if (native is not None and x.dtype == torch.float32 and x.dim() == 2
             and x.shape[0] < large_m(native.simd)):  # the packed kernel, SiLU fused in it
         return native.packed_gemm_silu_mul(x, w.data, int(w.qtype), bias)
-    if (native is not None and x.dtype == torch.float32 and x.dim() == 2
-            and x.shape[0] >= large_m(native.simd) and onednn_available()
-            and w.out_features <= _tile_rows(w.in_features)):
-        full = native.dequantize(w.data, int(w.qtype), w.in_features, 0, w.out_features)
-        bg, bu = (None, None) if bias is None else bias.split(half)
-        x = x.contiguous()
-        gate = cpu_gemm_linear(x, full[:half], bg, activation="swish")
-        return cpu_gemm_binary(x, gate, full[half:], bu, "mul")
-    gate, up = packed_linear(x, w, bias).split(half, dim=-1)
+    return silu_and_mul(packed_linear(x, w, bias))
+
+
+def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
+    """y [M, 2 H] = [gate | up] -> silu(gate) * up [M, H]: the packed kernels' one vectorized
+    pass for fp32 CPU rows (exp within 2 ulp, as the sampler's), torch's ops otherwise."""
+    native = load_packed_kernels() if y.device.type == "cpu" else None
+    if native is not None and y.dtype == torch.float32 and y.dim() == 2:
+        return native.silu_mul(y)
+    gate, up = y.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
 

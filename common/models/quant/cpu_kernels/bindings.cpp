@@ -13,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gemm_silu_mul", &packed_gemm_silu_mul,
         "silu(x @ Wg^T + bg) * (x @ Wu^T + bu) for W = [gate; up] GGUF-packed (CPU, fp32)",
         release(), py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
+  m.def("silu_mul", &silu_mul_rows, "silu(gate) * up of each [gate | up] row (CPU, fp32)",
+        release(), py::arg("y"));
   m.def("dequantize", &dequantize, "fp32 rows of a GGUF-packed weight (CPU)", release(),
         py::arg("w"), py::arg("qtype"), py::arg("k"), py::arg("n0") = 0, py::arg("n1") = 0,
         py::arg("rows") = py::none());

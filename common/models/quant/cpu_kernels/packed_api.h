@@ -16,6 +16,7 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                        const c10::optional<at::Tensor>& residual);
 at::Tensor packed_gemm_silu_mul(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                                 const c10::optional<at::Tensor>& bias);
+at::Tensor silu_mul_rows(const at::Tensor& y);
 at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t n0, int64_t n1,
                       const c10::optional<at::Tensor>& rows);
 int64_t packed_fused_rows();  // packed_decode_layer(s) take fewer tokens than this

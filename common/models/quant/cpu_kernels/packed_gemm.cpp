@@ -103,6 +103,28 @@ at::Tensor packed_gemm_silu_mul(const at::Tensor& x, const at::Tensor& w, int64_
   return out;
 }
 
+// y [T, 2 H] fp32 = [gate | up] per row (a plain GEMM's output: the large-M path and the fp32
+// weights' merged gate/up GEMM) -> silu(gate) * up [T, H] in one pass. On an AVX2 Zen 1 this
+// pass after one GEMM ran 1.07-1.17x faster than oneDNN's swish and binary-mul post-ops on two
+// GEMMs at T 8 .. 2048.
+at::Tensor silu_mul_rows(const at::Tensor& y) {
+  TORCH_CHECK_VALUE(y.dim() == 2 && y.scalar_type() == at::kFloat && y.device().is_cpu() &&
+                        y.stride(1) == 1 && y.size(1) % 2 == 0,
+                    "silu_mul: y must be float32 CPU [T, 2 H] with unit column stride, got ",
+                    y.sizes());
+  const int64_t rows = y.size(0), h = y.size(1) / 2, stride = y.stride(0);
+  at::Tensor out = at::empty({rows, h}, y.options());
+  const float* yp = y.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // ~16K elements a task: fewer rows run on one thread rather than wake the other
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(h, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      pdserve_exp::silu_mul_row(yp + r * stride, yp + r * stride + h, op + r * h, 0, h);
+  });
+  return out;
+}
+
 // w [N, K / block_size * block_bytes] uint8 -> fp32 [R, K]: rows n0 .. n1 of the weight, or the rows
 // listed in `rows` (int64, each checked in [0, N)) when given.
 at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t n0, int64_t n1,

@@ -23,6 +23,8 @@
 #include <immintrin.h>
 #endif
 
+#include "silu_mul.h"
+
 namespace {
 
 constexpr int QK = 32;  // weights per (sub-)block: the unit every path expands
@@ -741,11 +743,10 @@ Gemm prepare(const char* what, const at::Tensor& x, const at::Tensor& w, int64_t
 // (the GEMM's output), op [M, half].
 inline void silu_mul(const float* yp, float* op, int64_t M, int64_t half, int64_t p0,
                      int64_t p1) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t p = p0; p < p1; ++p) {
-      const float gate = yp[m * 2 * half + p];
-      op[m * half + p] = gate / (1.f + std::exp(-gate)) * yp[m * 2 * half + half + p];
-    }
+  for (int64_t m = 0; m < M; ++m) {
+    const float* g = yp + m * 2 * half;
+    pdserve_exp::silu_mul_row(g, g + half, op + m * half, p0, p1);
+  }
 }
 
 }  // namespace
