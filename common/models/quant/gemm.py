@@ -6,8 +6,9 @@
   runs over all rows. Decode steps live here; the weight bytes streamed per step are the packed
   ones (Q4_1: 0.625 bytes per weight instead of 4; Q4_K 0.5625, Q6_K 0.82).
 - CPU, M >= LARGE_M[simd]: expand W to fp32 (native; whole, or in EXPAND_BYTES tiles of rows)
-  and multiply with oneDNN's fp32 GEMM, bias and residual (and gate/up's SiLU-and-mul) fused
-  as post-ops like the fp32 path's (torch's `linear` where oneDNN is missing). With many rows
+  and multiply with oneDNN's fp32 GEMM, bias and residual fused as post-ops like the fp32
+  path's, gate/up's SiLU-and-mul one vectorized pass after its one GEMM (`silu_and_mul`;
+  torch's `linear` where oneDNN is missing). With many rows
   the GEMM is compute-bound, the expansion is paid once per M rows, and the tuned GEMM beats
   the packed kernel (whose activation blocks stream from L3 once per panel).
 - CUDA: the Triton kernel (quant/triton_gemm.py), which expands blocks in registers too.
