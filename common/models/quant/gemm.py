@@ -113,7 +113,8 @@ def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
     """y [M, 2 H] = [gate | up] -> silu(gate) * up [M, H]: the packed kernels' one vectorized
     pass for fp32 CPU rows (exp within 2 ulp, as the sampler's), torch's ops otherwise."""
     native = load_packed_kernels() if y.device.type == "cpu" else None
-    if native is not None and y.dtype == torch.float32 and y.dim() == 2:
+    if (native is not None and y.dtype == torch.float32 and y.dim() == 2
+            and y.stride(-1) == 1 and y.shape[-1] % 2 == 0):  # what the native pass takes
         return native.silu_mul(y)
     gate, up = y.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
