@@ -25,6 +25,7 @@ import grpc
 
 from pdserve.common.rpc import engine_pb2
 from pdserve.common.rpc import engine_pb2_grpc as pb_grpc
+from pdserve.services.common.gc_heap import freeze_startup_heap
 from pdserve.services.common.grpc_limits import grpc_limits
 from pdserve.services.common.grpc_standard import (StandardHealth, add_standard_services,
                                                     service_names)
@@ -145,7 +146,9 @@ async def run_engine_server(cfg: EngineServiceConfig) -> None:
     # the model load and profiling forward leave no OpenMP team behind (build_thread.py)
     core = run_on_exiting_thread(build_core, cfg)
     running = await start_engine_server(cfg, core, tracing)
-    if not await running.engine.wait_warmed_up():
+    if await running.engine.wait_warmed_up():
+        freeze_startup_heap()  # the model and the warm-up's objects: full GC passes skip them
+    else:
         log.error("warm-up failed; the engine is not serving")
     log.info("%s engine service for %s listening on %s:%d (%s)", cfg.role, cfg.model, cfg.host,
              running.port, "mutual TLS" if cfg.tls.enabled else "plaintext")

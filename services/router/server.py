@@ -24,6 +24,7 @@ import uvicorn
 from pdserve.common.rpc import router_pb2 as pb
 from pdserve.common.rpc import router_pb2_grpc as pb_grpc
 from pdserve.common.telemetry.metrics import RouterMetrics
+from pdserve.services.common.gc_heap import freeze_startup_heap
 from pdserve.services.common.grpc_limits import grpc_limits
 from pdserve.services.common.grpc_standard import (StandardHealth, add_standard_services,
                                                     service_names)
@@ -169,6 +170,7 @@ def _disagg_router(cfg: RouterConfig, state: RouterState, metrics: RouterMetrics
 async def run_router(cfg: RouterConfig) -> None:
     tracing = setup_router_tracing()
     running = await start_router(cfg)
+    freeze_startup_heap()
     log.info("router for %s: http %s:%d, grpc %s, instances %s%s", cfg.model_name, cfg.host,
              running.http_port, running.grpc_port, ",".join(cfg.backends),
              f"; prefill {','.join(cfg.prefill_backends)}, kv store {cfg.kv_store}"

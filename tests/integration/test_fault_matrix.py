@@ -32,6 +32,7 @@ import concurrent.futures as cf
 import json
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -333,6 +334,16 @@ def _wait_whole(stack, text: str) -> None:
 
 def _count(m: dict[str, float], before: dict[str, float], name: str) -> float:
     return m.get(name, 0.0) - before.get(name, 0.0)
+
+
+def test_services_froze_their_startup_heap(stack):
+    """Each engine and the router froze the heap it built at start-up once it served
+    (services/common/gc_heap.py): full GC passes skip the model's and gRPC's objects."""
+    for name in ("prefill0", "decode0", "decode1", "router"):
+        text = stack.children[name].log_path.read_text(errors="replace")
+        found = re.findall(r"start-up heap frozen: (\d+) objects", text)
+        assert found, f"{name} never froze its start-up heap"
+        assert int(found[0]) > 10_000, f"{name} froze only {found[0]} objects"
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{t}-{s}" for t, s in CASES])
