@@ -4,9 +4,9 @@ A served process makes most of its long-lived objects before it serves: modules,
 Python objects, gRPC and asyncio machinery. Every full (oldest-generation) pass of the cyclic
 collector traverses all of them, and a pass holds the GIL: the engine thread, the event loop and
 the gRPC sends all stop for it. Measured on a 2-core Zen 1 (SmolLM2, `up --mode colocated`): a
-full pass took 79-85 ms in the engine and in the router at the end of start-up, 0.2-0.7 ms once
+full pass took 78-85 ms in the engine and in the router at the end of start-up, 0.2-0.7 ms once
 frozen. A 64-request run triggers none (full passes wait until the long-lived objects grew by a
-quarter), a server that runs for days does, each a stall of every stream. `gc.freeze()` moves
+quarter); a server that runs for days does, and each one stalls every stream. `gc.freeze()` moves
 every object alive into the permanent generation, which no pass visits; objects made later are
 collected as before. vLLM's engine core and API server do the same after start-up.
 
