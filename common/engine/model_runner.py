@@ -50,18 +50,24 @@ class ModelRunner:
         for the next stage. `hidden_in` [T, H]: the previous stage's (every stage but the
         first). `layer_done(i, kv_cache)` runs after layer i wrote its K/V (the connector)."""
         input_ids, positions, meta = self._prepare(out)
+        keep = self._sampled_rows(out, meta) if self.model.pp.is_last else None
+        # [T, H] before the last stage; the sampled rows [N, H] on it
         hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_done,
-                            hidden_in)  # [T, H]
+                            hidden_in, keep=keep)
         if not self.model.pp.is_last:
             return hidden
-        if meta.num_decodes == len(out.chunks) and all(c.sample for c in out.chunks):
-            sampled = hidden  # a decode step: one token per chunk, every one sampled
-        else:
-            ends = meta.query_start_loc[1:].long() - 1  # last token of each chunk
-            rows = [i for i, c in enumerate(out.chunks) if c.sample]
-            sampled = hidden[ends[rows]]
-        logits = self.model.compute_logits(sampled)  # [N, V] on rank 0
+        logits = self.model.compute_logits(hidden)  # [N, V] on rank 0
         return None if logits is None else logits.float()
+
+    @staticmethod
+    def _sampled_rows(out: SchedulerOutput, meta: AttentionMetadata) -> Optional[torch.Tensor]:
+        """The token rows whose logits are sampled, [N] (the last token of each sampled
+        chunk); None for a decode step, whose every row is sampled."""
+        if meta.num_decodes == len(out.chunks) and all(c.sample for c in out.chunks):
+            return None
+        ends = meta.query_start_loc[1:].long() - 1  # last token of each chunk
+        rows = [i for i, c in enumerate(out.chunks) if c.sample]
+        return ends[rows]
 
     def _prepare(self, out: SchedulerOutput):
         chunks = out.chunks

@@ -60,15 +60,18 @@ class Attention(nn.Module):
         self.backend, self.rope = backend, rope
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata, residual):
-        """x [T, hidden] (normed) -> residual + attention output [T, hidden]."""
+    def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata, residual,
+                keep: Optional[torch.Tensor] = None):
+        """x [T, hidden] (normed) -> residual + attention output [T, hidden]; with `keep` [N]
+        (row indices), every row's K/V is still written but only rows `keep` are projected
+        and returned: [N, hidden]."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (h + 2 kvh) d]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         fused = self.backend.fused_forward(qkv, *cos_sin, kv_cache, meta, self.scale,
                                            self.num_heads)
         if fused is not None:  # rotary, KV write and attention in one call
-            return self.o_proj(fused.view(t, q_size), residual)
+            return self._project(fused.view(t, q_size), residual, keep)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -76,7 +79,17 @@ class Attention(nn.Module):
         q, k = self.rope(cos_sin, q, k)
         self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, h, d]
-        return self.o_proj(out.reshape(t, q_size), residual)
+        return self._project(out.reshape(t, q_size), residual, keep)
+
+    def _project(self, out, residual, keep):
+        """out [T, h d], residual [T, hidden] -> rows `keep` (all when None) of the output
+        projection plus residual. No rows: nothing to project (and no collective to join, as
+        every tensor rank holds the same `keep`)."""
+        if keep is not None:
+            out, residual = out[keep], residual[keep]
+            if keep.numel() == 0:
+                return residual
+        return self.o_proj(out, residual)
 
 
 class MLP(nn.Module):
@@ -101,8 +114,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, cos_sin, x, kv_cache, meta):
-        h = self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta, residual=x)
+    def forward(self, cos_sin, x, kv_cache, meta, keep: Optional[torch.Tensor] = None):
+        """x [T, hidden] -> [T, hidden], or rows `keep` only ([N, hidden]; K/V of all T)."""
+        h = self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta, residual=x,
+                           keep=keep)
+        if h.shape[0] == 0:
+            return h
         return self.mlp(self.post_attention_layernorm(h), residual=h)
 
     def as_native_layer(self) -> Optional[PackedLayer]:
@@ -163,11 +180,18 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                 layer_done: Optional[Callable[[int, torch.Tensor], None]] = None,
-                hidden_in: Optional[torch.Tensor] = None) -> torch.Tensor:
+                hidden_in: Optional[torch.Tensor] = None,
+                keep: Optional[torch.Tensor] = None) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] after this stage's layers
         (normed on the last stage). `hidden_in` [T, hidden]: the previous stage's output (every
         stage but the first). `kv_caches`: this stage's layers' caches, in layer order.
-        `layer_done(i, kv_cache)` runs after layer i wrote its K/V (the KV connector)."""
+        `layer_done(i, kv_cache)` runs after layer i wrote its K/V (the KV connector).
+        `keep` [N] (last stage only): the rows the caller reads (the sampled tokens); the result
+        is then those rows, [N, hidden]. No layer after the model's last reads its output, so
+        that layer writes every row's K/V but runs its output projection and MLP for `keep`
+        only: a prompt chunk of C tokens costs the last layer ~1/C of those GEMMs."""
+        if keep is not None and not self.pp.is_last:
+            raise ValueError("keep selects the sampled rows: the last pipeline stage only")
         if self.pp.is_first:  # packed embedding rows come as fp32: the layers' dtype
             dtype = self.layers[self.layer_range.start].input_layernorm.weight.dtype
             x = self.embed_tokens(input_ids).to(dtype)
@@ -182,16 +206,29 @@ class LlamaForCausalLM(nn.Module):
         if step is not None and layer_done is None and self._packed_stack is not None:
             # no hook between layers: every layer in one native call (packed_stack.py)
             x = self._packed_stack.forward(self._packed_gemm, x, kv_caches, step)
-            return self.norm(x) if self.pp.is_last else x
+            return self._final(x, keep)
+        last = self.layer_range.stop - 1
         for i, kv_cache in zip(self.layer_range, kv_caches):
+            # (the native path runs every row: its steps are mostly decodes, all sampled)
             if attend is not None:  # the same kernels as the modules, called directly
                 x = self._packed_layers[i - self.layer_range.start].forward(
                     self._packed_gemm, self._rms_norm, attend, x, kv_cache, step)
+            elif i == last and keep is not None:
+                x = self.layers[i](cos_sin, x, kv_cache, meta, keep=keep)
+                keep = None  # the layer returned those rows only
             else:
                 x = self.layers[i](cos_sin, x, kv_cache, meta)
             if layer_done is not None:
                 layer_done(i, kv_cache)
-        return self.norm(x) if self.pp.is_last else x
+        return self._final(x, keep)
+
+    def _final(self, x: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
+        """The stage's output: rows `keep` of x (all when None), normed on the last stage."""
+        if keep is not None:
+            x = x[keep]
+        if not self.pp.is_last or x.shape[0] == 0:
+            return x
+        return self.norm(x)
 
     def _packed_attend(self, x, kv_caches, meta, cos_sin):
         """The attention step of the packed-layer path (packed_layer.py) when this step takes
