@@ -209,15 +209,16 @@ class LlamaForCausalLM(nn.Module):
             return self._final(x, keep)
         last = self.layer_range.stop - 1
         for i, kv_cache in zip(self.layer_range, kv_caches):
-            # (the native path runs every row: its steps are mostly decodes, all sampled)
+            # the last layer computes rows `keep` only (the one-call decode layer: every row)
+            prune = i == last and keep is not None and step is None
             if attend is not None:  # the same kernels as the modules, called directly
                 x = self._packed_layers[i - self.layer_range.start].forward(
-                    self._packed_gemm, self._rms_norm, attend, x, kv_cache, step)
-            elif i == last and keep is not None:
-                x = self.layers[i](cos_sin, x, kv_cache, meta, keep=keep)
-                keep = None  # the layer returned those rows only
+                    self._packed_gemm, self._rms_norm, attend, x, kv_cache, step,
+                    keep=keep if prune else None)
             else:
-                x = self.layers[i](cos_sin, x, kv_cache, meta)
+                x = self.layers[i](cos_sin, x, kv_cache, meta, keep=keep if prune else None)
+            if prune:
+                keep = None  # the layer returned those rows only
             if layer_done is not None:
                 layer_done(i, kv_cache)
         return self._final(x, keep)

@@ -115,18 +115,25 @@ class PackedLayer:
             raise ValueError("gate_up must stack two equal halves [gate; up]")
 
     def forward(self, gemm, rms_norm, attend: Attend, x: torch.Tensor,
-                kv_cache: torch.Tensor, step: Optional[DecodeStep] = None) -> torch.Tensor:
+                kv_cache: torch.Tensor, step: Optional[DecodeStep] = None,
+                keep: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [T, hidden] fp32 -> the layer's output [T, hidden]. `gemm`: the packed kernels'
         module (quant/cpu_native.py); `rms_norm(x, weight, eps)`: the native RMSNorm. With
-        `step` (this step's decodes, DecodeStep.of) the whole layer is one native call."""
+        `step` (this step's decodes, DecodeStep.of) the whole layer is one native call. With
+        `keep` [N] (no `step`): every row's K/V, then rows `keep` only, [N, hidden], as the
+        module path's `DecoderLayer` does."""
         if step is not None:
             return self._decode(gemm, step, x, kv_cache)
         t = x.shape[0]
         qkv = self.qkv
         h = rms_norm(x, self.ln1, self.eps)
         a = attend(gemm.packed_gemm(h, qkv.data, qkv.qtype, qkv.bias, None), kv_cache,
-                   self.scale, self.num_heads)  # [T, H, d]
-        x = gemm.packed_gemm(a.view(t, self.q_size), self.o.data, self.o.qtype, self.o.bias, x)
+                   self.scale, self.num_heads).view(t, self.q_size)  # [T, H d]
+        if keep is not None:
+            a, x = a[keep], x[keep]
+            if keep.numel() == 0:
+                return x
+        x = gemm.packed_gemm(a, self.o.data, self.o.qtype, self.o.bias, x)
         h = rms_norm(x, self.ln2, self.eps)
         gu, down = self.gate_up, self.down
         g = gemm.packed_gemm_silu_mul(h, gu.data, gu.qtype, gu.bias)  # [T, I]

@@ -55,7 +55,8 @@ def test_packed_layers_equal_the_module_path_and_fp32(tmp_path):
     calls = []
     layer = model._packed_layers[0]
     forward = type(layer).forward
-    object.__setattr__(layer, "forward", lambda *a: calls.append(1) or forward(layer, *a))
+    object.__setattr__(layer, "forward",
+                       lambda *a, **kw: calls.append(1) or forward(layer, *a, **kw))
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
     prompts = [[3, 17, 42, 99, 5], [8, 1, 250, 7]]
     fast = ours.generate(prompts, params)
