@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from pdserve.common.engine.kv_transfer import KVTransferParams
 from pdserve.common.engine.protocol import EngineFatalError
@@ -62,14 +62,19 @@ _STOP = object()
 class AsyncEngine:
     def __init__(self, core: EngineClient, max_pending_outputs: int = 8, idle_poll_s: float = 0.5,
                  step_budget: Optional[StepBudgetController] = None,
-                 step_log: Optional[StepLog] = None):
+                 step_log: Optional[StepLog] = None,
+                 after_warm_up: Optional[Callable[[], object]] = None):
         """`step_budget`: sets the scheduler's token budget before each step from measured
         step times (`--itl-target-ms`); None -> the configured budget, fixed. `step_log`:
-        records every step (step_log.py, an experiment switch); None -> nothing recorded."""
+        records every step (step_log.py, an experiment switch); None -> nothing recorded.
+        `after_warm_up`: run on the engine thread once warm-up succeeded and before Health
+        says SERVING (the service's entry point freezes its start-up heap there, so no
+        request meets that collection); None -> nothing."""
         self.core = core
         self.profile = core.profile  # the core's step phases; the service adds its own
         self._budget = step_budget
         self._step_log = step_log
+        self._after_warm_up = after_warm_up
         self._max_pending = max_pending_outputs
         self._idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -175,6 +180,8 @@ class AsyncEngine:
             try:
                 self.core.warm_up()  # before any command: Health is NOT_SERVING until then
                 self._stats = self.core.stats()
+                if self._after_warm_up is not None:
+                    self._after_warm_up()
                 self.warmed_up = True
             finally:
                 self._loop.call_soon_threadsafe(self._warm_done.set)

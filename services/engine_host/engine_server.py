@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import grpc
 
@@ -90,9 +90,11 @@ def build_core(cfg: EngineServiceConfig):
                       rank_kv=rank_kv_factory(kv) if kv is not None and kv.per_rank else None)
 
 
-async def start_engine_server(cfg: EngineServiceConfig, core,
-                              tracing: Optional[Tracing] = None) -> RunningEngineServer:
-    """`tracing`: where the servicers' spans go; None -> the process's global tracer."""
+async def start_engine_server(cfg: EngineServiceConfig, core, tracing: Optional[Tracing] = None,
+                              after_warm_up: Optional[Callable[[], object]] = None
+                              ) -> RunningEngineServer:
+    """`tracing`: where the servicers' spans go; None -> the process's global tracer.
+    `after_warm_up`: runs on the engine thread before Health says SERVING (AsyncEngine)."""
     from pdserve.services.decode.servicer import DecodeServicer
     from pdserve.services.prefill.servicer import PrefillServicer
 
@@ -102,7 +104,8 @@ async def start_engine_server(cfg: EngineServiceConfig, core,
             cfg.itl_target_ms * 1e-3, cfg.max_num_batched_tokens,
             min_tokens=min(16, cfg.max_num_batched_tokens)))
     engine = AsyncEngine(core, max_pending_outputs=cfg.max_pending_outputs,
-                         step_budget=budget, step_log=step_log_from_env())
+                         step_budget=budget, step_log=step_log_from_env(),
+                         after_warm_up=after_warm_up)
     engine.start(asyncio.get_running_loop())
     kv = cfg.kv_settings()
     info = InstanceInfo(model=cfg.model, role=cfg.role, max_model_len=core.max_model_len,
@@ -145,10 +148,10 @@ async def run_engine_server(cfg: EngineServiceConfig) -> None:
     apply_process_settings(cfg)  # on this thread first: threads started later inherit the pin
     # the model load and profiling forward leave no OpenMP team behind (build_thread.py)
     core = run_on_exiting_thread(build_core, cfg)
-    running = await start_engine_server(cfg, core, tracing)
-    if await running.engine.wait_warmed_up():
-        freeze_startup_heap()  # the model and the warm-up's objects: full GC passes skip them
-    else:
+    # the model and the warm-up's objects: full GC passes skip them; frozen before Health says
+    # SERVING, so no request waits on that collection
+    running = await start_engine_server(cfg, core, tracing, after_warm_up=freeze_startup_heap)
+    if not await running.engine.wait_warmed_up():
         log.error("warm-up failed; the engine is not serving")
     log.info("%s engine service for %s listening on %s:%d (%s)", cfg.role, cfg.model, cfg.host,
              running.port, "mutual TLS" if cfg.tls.enabled else "plaintext")

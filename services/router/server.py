@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import grpc
 import uvicorn
@@ -80,9 +80,12 @@ class RunningRouter:
         await self.state.dispatch.close()
 
 
-async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
+async def start_router(cfg: RouterConfig, tokenizer=None,
+                       before_listen: Optional[Callable[[], object]] = None) -> RunningRouter:
     """With cfg.worker_index >= 0 this is one of cfg.workers processes sharing the ports
-    (services/router/workers.py): its share of the limits, SO_REUSEPORT, shared metrics."""
+    (services/router/workers.py): its share of the limits, SO_REUSEPORT, shared metrics.
+    `before_listen`: runs once everything is built and before either port takes a request
+    (the entry point freezes its start-up heap there); None -> nothing."""
     worker = cfg.worker_index >= 0
     if worker:
         cfg = per_worker(cfg)
@@ -97,30 +100,12 @@ async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
     if disagg is not None:
         await disagg.prefill.start()
     watchers = await _watchers(cfg, pool, disagg.prefill if disagg is not None else None)
-    grpc_server, grpc_port, health = None, None, None
-    if cfg.grpc_port >= 0:
-        grpc_server = grpc.aio.server(
-            options=grpc_limits(cfg.limits.grpc_max_message_bytes)
-            + ([("grpc.so_reuseport", 1)] if worker else []),
-            maximum_concurrent_rpcs=cfg.limits.grpc_max_concurrent_rpcs)
-        pb_grpc.add_RouterServicer_to_server(RouterServicer(state), grpc_server)
-        health = add_standard_services(grpc_server, service_names((pb.DESCRIPTOR, "Router")),
-                                       lambda: bool(state.pool.healthy))
-        grpc_port = add_port(grpc_server, f"{cfg.host}:{cfg.grpc_port}", cfg.tls)
-        if grpc_port == 0:
-            raise OSError(f"cannot listen on {cfg.host}:{cfg.grpc_port}")
+    grpc_server, grpc_port, health = _grpc_server(cfg, state, worker)
+    http = _http_server(cfg, state)
+    if before_listen is not None:
+        before_listen()
+    if grpc_server is not None:
         await grpc_server.start()
-    lim = cfg.limits
-    http = _Uvicorn(uvicorn.Config(build_app(state), host=cfg.host, port=cfg.port,
-                                   log_level="warning", lifespan="off",
-                                   timeout_graceful_shutdown=max(1, int(cfg.grace_s)),
-                                   # a backstop on connections: requests past
-                                   # http_max_concurrency get an OpenAI-shaped 503 first
-                                   limit_concurrency=2 * lim.http_max_concurrency + 64,
-                                   timeout_keep_alive=lim.http_keep_alive_s,
-                                   h11_max_incomplete_event_size=lim.http_max_header_bytes,
-                                   http=head_timeout_protocol(lim.http_header_timeout_s,
-                                                             lim.http_max_header_bytes)))
     # a worker binds its own SO_REUSEPORT socket; uvicorn listens on it
     sockets = [reuseport_socket(cfg.host, cfg.port)] if worker else None
     task = asyncio.create_task(http.serve(sockets=sockets), name="uvicorn")
@@ -131,6 +116,38 @@ async def start_router(cfg: RouterConfig, tokenizer=None) -> RunningRouter:
         await asyncio.sleep(0.02)
     http_port = http.servers[0].sockets[0].getsockname()[1]
     return RunningRouter(state, http, task, grpc_server, http_port, grpc_port, watchers, health)
+
+
+def _grpc_server(cfg: RouterConfig, state: RouterState, worker: bool):
+    """The gRPC server with its port bound, not yet started: (server, port, health), or
+    Nones when cfg.grpc_port < 0."""
+    if cfg.grpc_port < 0:
+        return None, None, None
+    server = grpc.aio.server(
+        options=grpc_limits(cfg.limits.grpc_max_message_bytes)
+        + ([("grpc.so_reuseport", 1)] if worker else []),
+        maximum_concurrent_rpcs=cfg.limits.grpc_max_concurrent_rpcs)
+    pb_grpc.add_RouterServicer_to_server(RouterServicer(state), server)
+    health = add_standard_services(server, service_names((pb.DESCRIPTOR, "Router")),
+                                   lambda: bool(state.pool.healthy))
+    port = add_port(server, f"{cfg.host}:{cfg.grpc_port}", cfg.tls)
+    if port == 0:
+        raise OSError(f"cannot listen on {cfg.host}:{cfg.grpc_port}")
+    return server, port, health
+
+
+def _http_server(cfg: RouterConfig, state: RouterState) -> _Uvicorn:
+    lim = cfg.limits
+    return _Uvicorn(uvicorn.Config(build_app(state), host=cfg.host, port=cfg.port,
+                                   log_level="warning", lifespan="off",
+                                   timeout_graceful_shutdown=max(1, int(cfg.grace_s)),
+                                   # a backstop on connections: requests past
+                                   # http_max_concurrency get an OpenAI-shaped 503 first
+                                   limit_concurrency=2 * lim.http_max_concurrency + 64,
+                                   timeout_keep_alive=lim.http_keep_alive_s,
+                                   h11_max_incomplete_event_size=lim.http_max_header_bytes,
+                                   http=head_timeout_protocol(lim.http_header_timeout_s,
+                                                             lim.http_max_header_bytes)))
 
 
 def _pool(cfg: RouterConfig, metrics: RouterMetrics, addresses, kind: str) -> BackendPool:
@@ -169,8 +186,8 @@ def _disagg_router(cfg: RouterConfig, state: RouterState, metrics: RouterMetrics
 
 async def run_router(cfg: RouterConfig) -> None:
     tracing = setup_router_tracing()
-    running = await start_router(cfg)
-    freeze_startup_heap()
+    # start-up's objects out of the collector's full passes, before a request can meet that pass
+    running = await start_router(cfg, before_listen=freeze_startup_heap)
     log.info("router for %s: http %s:%d, grpc %s, instances %s%s", cfg.model_name, cfg.host,
              running.http_port, running.grpc_port, ",".join(cfg.backends),
              f"; prefill {','.join(cfg.prefill_backends)}, kv store {cfg.kv_store}"

@@ -97,8 +97,11 @@ def test_health_is_not_serving_until_warm_up_is_done():
     info = InstanceInfo(model="tiny", role="unified", max_model_len=core.max_model_len,
                         vocab_size=core.tokenizer.vocab_size)
 
+    at_hook = []  # Health as the after-warm-up hook sees it (the services freeze their heap there)
+
     async def main():
-        engine = AsyncEngine(core)
+        engine = AsyncEngine(core, after_warm_up=lambda: at_hook.append(
+            (core.warmed_up, health_response(engine, info).status)))
         engine.start(asyncio.get_running_loop())
         try:
             assert await asyncio.to_thread(core.started.wait, 10)
@@ -107,6 +110,8 @@ def test_health_is_not_serving_until_warm_up_is_done():
             core.gate.set()
             assert await engine.wait_warmed_up()
             assert health_response(engine, info).status == pb.HealthResponse.SERVING
+            # once, after the warm-up ran and before Health said SERVING
+            assert at_hook == [(True, pb.HealthResponse.NOT_SERVING)]
             allocs = core.executor.runner.num_buffer_allocs
             stream = await engine.submit("first", list(range(1, 100)),
                                          SamplingParams(max_tokens=3, temperature=0.0))
