@@ -10,7 +10,9 @@ The engine is the one `pdserve serve` runs with the same flags (bench/offline_en
 random prompts of --input-len tokens are prefilled, then every decode step (all --batch rows,
 nothing else) runs with attention module a or b in the order ab, ba, ab, ...: both see the same
 drift, KV pool and context lengths. Per variant: the median step and the median of the step's
-attention calls (the backend's fused step: rotary, KV write and attention, all layers). Why in
+attention calls (the backend's fused step: rotary, KV write and attention, all layers; with
+fp32 weights each layer's `fused_forward`, with packed weights at or above fused_rows the
+step's `fused_step`). Why in
 the engine: on the 2-core VM the whole `bench offline` run moves by +-2% from one process to
 the next, more than a 20 ms-per-step attention change shows there. Both modules must give the
 same tokens (greedy, the same computation); the outputs are not compared here, the kernel
@@ -86,7 +88,8 @@ def run(args, core, mods) -> dict[str, dict[str, list[float]]]:
 
     current = {"module": mods["b"], "attention_s": 0.0}
     native_module = torch_backend._native_module
-    fused_step = torch_backend.TorchAttentionBackend.fused_step
+    backend = torch_backend.TorchAttentionBackend
+    fused_step, fused_forward = backend.fused_step, backend.fused_forward
 
     def pick(query, kv_cache, meta):  # the variant's module wherever the native one applies
         return None if native_module(query, kv_cache, meta) is None else current["module"]
@@ -103,9 +106,16 @@ def run(args, core, mods) -> dict[str, dict[str, list[float]]]:
             return out
         return timed
 
+    def timed_forward(self, *a, **kw):  # the module path's per-layer fused step (fp32 weights)
+        t0 = time.perf_counter()
+        out = fused_forward(self, *a, **kw)
+        current["attention_s"] += time.perf_counter() - t0
+        return out
+
     runs = {n: {"step_s": [], "attention_s": []} for n in mods}
     with mock.patch.object(torch_backend, "_native_module", pick), \
-            mock.patch.object(torch_backend.TorchAttentionBackend, "fused_step", timed_step):
+            mock.patch.object(backend, "fused_step", timed_step), \
+            mock.patch.object(backend, "fused_forward", timed_forward):
         k = 0
         while core.has_unfinished_requests():
             name = ("ab" if (k // 2) % 2 == 0 else "ba")[k % 2]

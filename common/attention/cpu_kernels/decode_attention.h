@@ -89,6 +89,10 @@ inline void axpy(float* y, float a, const T* x, int64_t n) {
 #ifndef PDSERVE_PF_LOCALITY  // 3: into L1 (2, into L2 only, ran 0.96-0.98x there)
 #define PDSERVE_PF_LOCALITY 3
 #endif
+#ifndef PDSERVE_K_SPREAD  // the QK pass's prefetches spread over its loop (see kVInPv below)
+#define PDSERVE_K_SPREAD 1
+#endif
+constexpr bool kKSpread = PDSERVE_K_SPREAD;
 // Ask for the cache lines of one d-element row (a GCC/Clang builtin: no ISA dependence).
 template <typename T>
 inline void prefetch_row(const T* row, int64_t d) {
@@ -191,13 +195,20 @@ inline void qk8_avx512(const float* q, int64_t d, const T* kt, int64_t row_strid
 // widening costs as many micro-ops as the FMA it feeds. sc[g * sc_stride + j] = q[g] . k[j].
 template <int GC, typename T>
 inline void qk4_avx2(const float* q, int64_t d, const T* kt, int64_t row_stride, float* sc,
-                     int64_t sc_stride) {
+                     int64_t sc_stride, const T* pfa, const T* pfb) {
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
   __m256 a[GC][4];
 #pragma GCC unroll 4
   for (int g = 0; g < GC; ++g)
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
   for (int64_t c = 0; c < d; c += 8) {
+    if (c % kLine == 0) {  // the same 4 rows' line at c of the blocks ahead, spread over c
+      for (int j = 0; j < 4; ++j) {
+        if (pfa) __builtin_prefetch(pfa + j * row_stride + c, 0, PDSERVE_PF_LOCALITY);
+        if (pfb) __builtin_prefetch(pfb + j * row_stride + c, 0, PDSERVE_PF_LOCALITY);
+      }
+    }
     __m256 qv[GC];
 #pragma GCC unroll 4
     for (int g = 0; g < GC; ++g) qv[g] = _mm256_loadu_ps(q + g * d + c);
@@ -251,18 +262,25 @@ void qk_block(const float* q, int64_t group, int64_t d, const T* k, int64_t row_
   // chunk's queries
   if (d % 8 == 0) {
     for (; t + 4 <= nt; t += 4) {
-      for (int64_t j = t; j < t + 4; ++j) {
-        if (pf_a) prefetch_row(pf_a + j * row_stride, d);
-        if (pf_b) prefetch_row(pf_b + j * row_stride, d);
+      const T* pa = pf_a ? pf_a + t * row_stride : nullptr;
+      const T* pb = pf_b ? pf_b + t * row_stride : nullptr;
+      if (!kKSpread) {
+        for (int64_t j = t; j < t + 4; ++j) {
+          if (pa) prefetch_row(pf_a + j * row_stride, d);
+          if (pb) prefetch_row(pf_b + j * row_stride, d);
+        }
+        pa = pb = nullptr;
       }
       const T* kt = k + t * row_stride;
       for (int64_t g = 0; g < group; g += 3) {
         const float* qg = q + g * d;
         float* sg = sc + g * sc_stride + t;
+        const T* ga = g == 0 ? pa : nullptr;
+        const T* gb = g == 0 ? pb : nullptr;
         switch (std::min<int64_t>(3, group - g)) {
-          case 1: qk4_avx2<1>(qg, d, kt, row_stride, sg, sc_stride); break;
-          case 2: qk4_avx2<2>(qg, d, kt, row_stride, sg, sc_stride); break;
-          default: qk4_avx2<3>(qg, d, kt, row_stride, sg, sc_stride); break;
+          case 1: qk4_avx2<1>(qg, d, kt, row_stride, sg, sc_stride, ga, gb); break;
+          case 2: qk4_avx2<2>(qg, d, kt, row_stride, sg, sc_stride, ga, gb); break;
+          default: qk4_avx2<3>(qg, d, kt, row_stride, sg, sc_stride, ga, gb); break;
         }
       }
     }
@@ -285,16 +303,21 @@ void qk_block(const float* q, int64_t group, int64_t d, const T* k, int64_t row_
 // sum in the same order whatever U.
 template <int GC, int U, typename T>
 void pv_lanes(float* acc, int64_t d, int64_t* c, const float* p, int64_t p_stride, const T* v,
-              int64_t row_stride, int64_t nt) {
+              int64_t row_stride, int64_t nt, const T* pf) {
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
   for (; *c + 8 * U <= d; *c += 8 * U) {
     float* out = acc + *c;
     const T* vc = v + *c;
+    const T* pfc = pf ? pf + *c : nullptr;
     __m256 a[U][GC];
 #pragma GCC unroll 8
     for (int u = 0; u < U; ++u)
 #pragma GCC unroll 8
       for (int g = 0; g < GC; ++g) a[u][g] = _mm256_loadu_ps(out + g * d + 8 * u);
     for (int64_t t = 0; t < nt; ++t) {
+      if (pfc)  // the same lanes of a later block's row t: one or two lines per 12 FMAs
+        for (int64_t i = 0; i < 8 * U; i += kLine)
+          __builtin_prefetch(pfc + t * row_stride + i, 0, PDSERVE_PF_LOCALITY);
       if constexpr (U == 1) {  // up to 8 heads: each weight broadcast where it is used
         const __m256 vv = load8(vc + t * row_stride);
 #pragma GCC unroll 8
@@ -324,11 +347,11 @@ void pv_lanes(float* acc, int64_t d, int64_t* c, const float* p, int64_t p_strid
 // GC <= 4), then 8 lanes for what is left.
 template <int GC, typename T>
 void pv_chunk(float* acc, int64_t d, const float* p, int64_t p_stride, const T* v,
-              int64_t row_stride, int64_t nt) {
+              int64_t row_stride, int64_t nt, const T* pf) {
   int64_t c = 0;
-  if constexpr (GC <= 3) pv_lanes<GC, 4>(acc, d, &c, p, p_stride, v, row_stride, nt);
-  if constexpr (GC <= 4) pv_lanes<GC, 2>(acc, d, &c, p, p_stride, v, row_stride, nt);
-  pv_lanes<GC, 1>(acc, d, &c, p, p_stride, v, row_stride, nt);
+  if constexpr (GC <= 3) pv_lanes<GC, 4>(acc, d, &c, p, p_stride, v, row_stride, nt, pf);
+  if constexpr (GC <= 4) pv_lanes<GC, 2>(acc, d, &c, p, p_stride, v, row_stride, nt, pf);
+  pv_lanes<GC, 1>(acc, d, &c, p, p_stride, v, row_stride, nt, pf);
 }
 #endif
 
@@ -336,12 +359,15 @@ void pv_chunk(float* acc, int64_t d, const float* p, int64_t p_stride, const T* 
 // pv_chunk with 16 lanes of d at a time: half the loads, widenings and FMAs per V row.
 template <int GC, typename T>
 void pv_chunk16(float* acc, int64_t d, const float* p, int64_t p_stride, const T* v,
-                int64_t row_stride, int64_t nt) {
+                int64_t row_stride, int64_t nt, const T* pf) {
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
   for (int64_t c = 0; c < d; c += 16) {
     __m512 a[GC];
 #pragma GCC unroll 8
     for (int g = 0; g < GC; ++g) a[g] = _mm512_loadu_ps(acc + g * d + c);
+    const bool pf_here = pf != nullptr && c % kLine == 0;  // each line of the rows once
     for (int64_t t = 0; t < nt; ++t) {
+      if (pf_here) __builtin_prefetch(pf + t * row_stride + c, 0, PDSERVE_PF_LOCALITY);
       const __m512 vv = load16(v + t * row_stride + c);
 #pragma GCC unroll 8
       for (int g = 0; g < GC; ++g)
@@ -371,7 +397,7 @@ inline void with_group_count(int64_t n, F&& f) {
 // acc[g] (d floats each) += sum_t p[g * p_stride + t] * v[t], V rows row_stride apart.
 template <typename T>
 void pv_block(float* acc, int64_t group, int64_t d, const float* p, int64_t p_stride,
-              const T* v, int64_t row_stride, int64_t nt) {
+              const T* v, int64_t row_stride, int64_t nt, const T* pf) {
 #ifdef PDSERVE_AVX2  // (the AVX-512 builds are AVX2 builds too: cpu_native.compile_flags)
   if (d % 8 == 0) {
     for (int64_t g0 = 0; g0 < group; g0 += 8) {
@@ -381,11 +407,11 @@ void pv_block(float* acc, int64_t group, int64_t d, const float* p, int64_t p_st
         constexpr int GC = decltype(gc)::value;
 #ifdef __AVX512F__
         if (d % 16 == 0) {
-          pv_chunk16<GC>(a, d, pg, p_stride, v, row_stride, nt);
+          pv_chunk16<GC>(a, d, pg, p_stride, v, row_stride, nt, g0 == 0 ? pf : nullptr);
           return;
         }
 #endif
-        pv_chunk<GC>(a, d, pg, p_stride, v, row_stride, nt);
+        pv_chunk<GC>(a, d, pg, p_stride, v, row_stride, nt, g0 == 0 ? pf : nullptr);
       });
     }
     return;
@@ -420,7 +446,24 @@ struct DecodeProblem {
 #ifndef PDSERVE_V_AHEAD
 #define PDSERVE_V_AHEAD 1
 #endif
+// Where V's prefetches go. A tile runs a QK pass (K rows), the softmax, then a PV pass (V rows,
+// already cached). With V prefetched in the QK pass beside K, that pass carried all the tile's
+// memory traffic and the PV pass and the softmax none, so on the Zen 1 the kernel took the sum
+// of its arithmetic and of its reads (docs/half-precision.md). PDSERVE_V_IN_PV moves V's
+// prefetches into the PV pass (V kVAhead blocks ahead of the block it multiplies, a line or two
+// per 12 FMAs), and PDSERVE_K_SPREAD spreads the QK pass's over its loop instead of a burst
+// per 4 tokens. On the Zen 1 (bench/attention_ab.py, B 64, context 320, 2 threads, 7-9
+// alternated rounds): 1.06-1.10x fp32 and bf16 KV, bit-equal; K moved into the PV pass as well
+// ran 0.99x. The AVX-512 builds keep V in the QK pass (tuned on the Zen 5, not remeasured).
+#ifndef PDSERVE_V_IN_PV
+#ifdef __AVX512F__
+#define PDSERVE_V_IN_PV 0
+#else
+#define PDSERVE_V_IN_PV 1
+#endif
+#endif
 constexpr int64_t kKAhead = PDSERVE_K_AHEAD, kVAhead = PDSERVE_V_AHEAD;
+constexpr bool kVInPv = PDSERVE_V_IN_PV;
 
 // Per-thread scratch, reused across the items a thread runs; sized for all H query heads.
 struct Scratch {
@@ -478,7 +521,8 @@ void decode_range(const DecodeProblem<T>& p, int64_t r, int64_t h0, int64_t h1, 
       const int64_t b = (start + t0) / bs;
       const T* k = k_block(b);
       const T* k_ahead = b + kKAhead < num_used ? k_block(b + kKAhead) : nullptr;
-      const T* v_ahead = b + kVAhead < num_used ? v_block(b + kVAhead) : nullptr;
+      const T* v_ahead =
+          !kVInPv && b + kVAhead < num_used ? v_block(b + kVAhead) : nullptr;
       for (int64_t h = h0; h < h1; ++h) {
         const int64_t j = (h - h0) * group;
         qk_block(q + j * d, group, d, k + h * d, row_stride, std::min(bs, n - t0),
@@ -500,11 +544,13 @@ void decode_range(const DecodeProblem<T>& p, int64_t r, int64_t h0, int64_t h1, 
     }
     // acc[j] += sum_t p[j, t] * V[t]: each V row loaded once for all G heads of its group
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
-      const T* v = v_block((start + t0) / bs);
+      const int64_t b = (start + t0) / bs;
+      const T* v = v_block(b);
+      const T* v_ahead = kVInPv && b + kVAhead < num_used ? v_block(b + kVAhead) : nullptr;
       for (int64_t h = h0; h < h1; ++h) {
         const int64_t j = (h - h0) * group;
         pv_block(acc + j * d, group, d, sc + j * tile + t0, tile, v + h * d, row_stride,
-                 std::min(bs, n - t0));
+                 std::min(bs, n - t0), v_ahead ? v_ahead + h * d : nullptr);
       }
     }
   }
