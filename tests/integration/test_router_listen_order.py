@@ -13,14 +13,9 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.services.launcher import free_port
 from pdserve.services.router.config import RouterConfig
 from pdserve.services.router.server import start_router
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _http_refuses(port: int) -> bool:
@@ -38,7 +33,7 @@ def _grpc_answers(port: int) -> bool:
 
 
 def test_before_listen_runs_before_the_servers_start():
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = free_port("127.0.0.1"), free_port("127.0.0.1")
     seen = []
 
     def before_listen():
