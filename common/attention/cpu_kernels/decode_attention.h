@@ -93,10 +93,13 @@ inline void axpy(float* y, float a, const T* x, int64_t n) {
 #define PDSERVE_K_SPREAD 1
 #endif
 constexpr bool kKSpread = PDSERVE_K_SPREAD;
+template <typename T>
+constexpr int64_t kLineElems = 64 / sizeof(T);  // elements per cache line
+
 // Ask for the cache lines of one d-element row (a GCC/Clang builtin: no ISA dependence).
 template <typename T>
 inline void prefetch_row(const T* row, int64_t d) {
-  for (int64_t i = 0; i < d; i += 64 / sizeof(T))
+  for (int64_t i = 0; i < d; i += kLineElems<T>)
     __builtin_prefetch(row + i, 0, PDSERVE_PF_LOCALITY);
 }
 
@@ -196,7 +199,7 @@ inline void qk8_avx512(const float* q, int64_t d, const T* kt, int64_t row_strid
 template <int GC, typename T>
 inline void qk4_avx2(const float* q, int64_t d, const T* kt, int64_t row_stride, float* sc,
                      int64_t sc_stride, const T* pfa, const T* pfb) {
-  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+  constexpr int64_t kLine = kLineElems<T>;
   __m256 a[GC][4];
 #pragma GCC unroll 4
   for (int g = 0; g < GC; ++g)
@@ -265,9 +268,9 @@ void qk_block(const float* q, int64_t group, int64_t d, const T* k, int64_t row_
       const T* pa = pf_a ? pf_a + t * row_stride : nullptr;
       const T* pb = pf_b ? pf_b + t * row_stride : nullptr;
       if (!kKSpread) {
-        for (int64_t j = t; j < t + 4; ++j) {
-          if (pa) prefetch_row(pf_a + j * row_stride, d);
-          if (pb) prefetch_row(pf_b + j * row_stride, d);
+        for (int64_t j = 0; j < 4; ++j) {
+          if (pa) prefetch_row(pa + j * row_stride, d);
+          if (pb) prefetch_row(pb + j * row_stride, d);
         }
         pa = pb = nullptr;
       }
@@ -304,7 +307,7 @@ void qk_block(const float* q, int64_t group, int64_t d, const T* k, int64_t row_
 template <int GC, int U, typename T>
 void pv_lanes(float* acc, int64_t d, int64_t* c, const float* p, int64_t p_stride, const T* v,
               int64_t row_stride, int64_t nt, const T* pf) {
-  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+  constexpr int64_t kLine = kLineElems<T>;
   for (; *c + 8 * U <= d; *c += 8 * U) {
     float* out = acc + *c;
     const T* vc = v + *c;
@@ -360,7 +363,7 @@ void pv_chunk(float* acc, int64_t d, const float* p, int64_t p_stride, const T* 
 template <int GC, typename T>
 void pv_chunk16(float* acc, int64_t d, const float* p, int64_t p_stride, const T* v,
                 int64_t row_stride, int64_t nt, const T* pf) {
-  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+  constexpr int64_t kLine = kLineElems<T>;
   for (int64_t c = 0; c < d; c += 16) {
     __m512 a[GC];
 #pragma GCC unroll 8
