@@ -45,7 +45,7 @@ def choose_mode(requested: str = "") -> str:
 
 @contextlib.contextmanager
 def redis_container(image: str) -> Iterator[str]:
-    from testcontainers.redis import RedisContainer
+    from testcontainers.community.redis import RedisContainer  # moved there in 4.15
 
     with RedisContainer(image) as container:
         host = container.get_container_host_ip()
