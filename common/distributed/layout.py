@@ -31,6 +31,10 @@ class Communicator(Protocol):
     def gather_last_dim(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """t [N, k] on each rank -> [N, k * world] (rank order) on rank 0; None elsewhere."""
 
+    def barrier(self) -> None:
+        """Return once every rank called it: every store a rank made before its call is then
+        visible to the others (what rank 0 needs before it reads another rank's shared KV)."""
+
     def abort(self) -> None:
         """Make peers blocked in a collective raise (where the transport allows it)."""
 

@@ -118,6 +118,11 @@ class ShmCommunicator:
         n = t.numel()
         return torch.cat([slots[r, :n].view(t.shape) for r in range(self.world_size)], dim=-1)
 
+    def barrier(self) -> None:
+        """A call with no data: the barrier of the next generation (its slots unused)."""
+        self._gen += 1
+        self._barrier(self._gen)
+
     def _publish(self, t: torch.Tensor) -> torch.Tensor:
         """Copy t into this rank's slot of the next generation and wait for every rank."""
         self._gen += 1

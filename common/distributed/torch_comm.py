@@ -55,6 +55,9 @@ class TorchCommunicator:
     def all_reduce(self, t: torch.Tensor) -> None:
         dist.all_reduce(t, group=self._group)
 
+    def barrier(self) -> None:
+        dist.barrier(group=self._group)
+
     def gather_last_dim(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         t = t.contiguous()
         if t.device.type == "cuda":  # NCCL has no gather: all_gather, keep it on rank 0

@@ -19,6 +19,8 @@ from pdserve.common.attention.backend import AttentionMetadata
 from pdserve.common.engine.scheduler_output import SchedulerOutput
 from pdserve.common.models.llama import LlamaForCausalLM
 
+# layer_done(i, rank 0's cache of layer i): called on rank 0 once every tensor rank wrote layer
+# i's K/V for the step (a collective ends each layer), so it may read their shared caches
 LayerDone = Callable[[int, torch.Tensor], None]
 
 

@@ -59,6 +59,7 @@ class Attention(nn.Module):
                                         in_shard=(first * group * d, count * group * d))
         self.backend, self.rope = backend, rope
         self.scale = cfg.head_dim ** -0.5
+        self._comm = tp.comm if tp.size > 1 else None
 
     def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata, residual,
                 keep: Optional[torch.Tensor] = None):
@@ -83,11 +84,17 @@ class Attention(nn.Module):
 
     def _project(self, out, residual, keep):
         """out [T, h d], residual [T, hidden] -> rows `keep` (all when None) of the output
-        projection plus residual. No rows: nothing to project (and no collective to join, as
-        every tensor rank holds the same `keep`)."""
+        projection plus residual. No rows: nothing to project, but the tensor ranks still meet
+        at a barrier (every rank holds the same `keep`, so all join it). The output
+        projection's all-reduce is otherwise the one collective after a layer's K/V write,
+        and rank 0's KV connector reads every rank's shared cache of the layer once the
+        layer returns (`layer_done`): without it, a last layer that sampled nothing let rank
+        0 save a block before a slower rank had written its heads of it."""
         if keep is not None:
             out, residual = out[keep], residual[keep]
             if keep.numel() == 0:
+                if self._comm is not None:
+                    self._comm.barrier()
                 return residual
         return self.o_proj(out, residual)
 
@@ -185,7 +192,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> hidden states [T, hidden] after this stage's layers
         (normed on the last stage). `hidden_in` [T, hidden]: the previous stage's output (every
         stage but the first). `kv_caches`: this stage's layers' caches, in layer order.
-        `layer_done(i, kv_cache)` runs after layer i wrote its K/V (the KV connector).
+        `layer_done(i, kv_cache)` runs after layer i wrote its K/V (the KV connector), on
+        every tensor rank's part too: each layer ends with a collective after its K/V write.
         `keep` [N] (last stage only): the rows the caller reads (the sampled tokens); the result
         is then those rows, [N, hidden]. No layer after the model's last reads its output, so
         that layer writes every row's K/V but runs its output projection and MLP for `keep`

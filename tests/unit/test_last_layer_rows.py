@@ -89,3 +89,55 @@ def test_keep_is_refused_before_the_last_pipeline_stage(model):
         cfg.num_layers, 0, 2))
     with pytest.raises(ValueError, match="last pipeline stage"):
         first(torch.tensor([1]), torch.tensor([0]), [], None, keep=torch.tensor([0]))
+
+
+class _Recorder:
+    """Rank 0 of a 2-rank group whose collectives only record their order (values are not
+    summed: this test reads the order, not the numbers)."""
+
+    rank, world_size = 0, 2
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def all_reduce(self, t):
+        self.events.append("collective")
+
+    def gather_last_dim(self, t):
+        self.events.append("collective")
+        return torch.cat([t, t], dim=-1)
+
+    def barrier(self):
+        self.events.append("collective")
+
+    def abort(self):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_every_layer_meets_the_other_ranks_before_its_kv_hook(sample):
+    """Rank 0's KV connector reads every tensor rank's shared cache of layer i in
+    layer_done(i); only a collective inside the layer, after its K/V write, tells rank 0 that
+    the other ranks wrote theirs. A last layer with no sampled row projects nothing, and once
+    joined no collective either: rank 0 then saved blocks a slower rank had not written yet
+    (seen under CPU load as wrong tokens after a TP 2 prefill handed off to a decode)."""
+    from pdserve.common.distributed.layout import TensorParallel
+    cfg, weights = tiny_model(seed=3)
+    events = []
+    tp = TensorParallel(rank=0, size=2, comm=_Recorder(events))
+    m = build_rank_model(EngineConfig(model="tiny", num_threads=1), cfg, weights, tp, "cpu")
+    caches = allocate_kv_caches(cfg, (0, 2), 4, BLOCK, "cpu")
+    runner = ModelRunner(m, caches, BLOCK)
+    out = SchedulerOutput((ScheduledChunk("part", tuple(range(70, 82)), 0, (3,), sample),))
+    ids, pos, meta = runner._prepare(out)
+    keep = runner._sampled_rows(out, meta)
+    assert keep.numel() == int(sample)
+    with torch.inference_mode():
+        m(ids, pos, caches, meta, lambda i, kv: events.append(("layer_done", i)), keep=keep)
+    hooks = [i for i, e in enumerate(events) if e != "collective"]
+    assert [events[i] for i in hooks] == [("layer_done", i) for i in range(cfg.num_layers)]
+    starts = [-1] + hooks[:-1]
+    assert all("collective" in events[a + 1:b] for a, b in zip(starts, hooks)), events
