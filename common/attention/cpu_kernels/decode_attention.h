@@ -7,7 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -477,9 +477,11 @@ constexpr bool kVInPv = PDSERVE_V_IN_PV;
 // loads over the same scattered blocks read 12-17 GB/s on one thread; reading each 6-12 KB
 // block front to back, back to back, lets the hardware prefetcher stream it, and the QK and PV
 // passes then find the tile in L2 (fp32: 96 KB at 64 tokens). On the Zen 3 (AVX2;
-// bench/attention_ab.py, 2 threads, 5-7 alternated rounds, bit-equal): B 64 context 320 fp32
-// KV 1.16-1.22x, fp16 1.30-1.34x at contexts 128 and 1024, bf16 0.99-1.07x; B 16 1.15x. The
-// AVX-512 builds keep the prefetches (tuned on the Zen 5; not measured with tile reads).
+// bench/attention_ab.py, 2 threads, 5-7 alternated rounds, bit-equal), B 64: fp32 KV
+// 1.09-1.24x, fp16 1.08-1.34x, bf16 0.99-1.08x; in the engine's batch-64 step
+// (bench/attention_engine_ab.py) the fp32 cache's attention 1.15-1.18x, the half caches'
+// within the VM's spread (docs/half-precision.md). The AVX-512 builds keep the prefetches
+// (tuned on the Zen 5; not measured with tile reads).
 #ifndef PDSERVE_TILE_READ
 #ifdef __AVX512F__
 #define PDSERVE_TILE_READ 0
@@ -490,16 +492,12 @@ constexpr bool kVInPv = PDSERVE_V_IN_PV;
 constexpr bool kTileRead = PDSERVE_TILE_READ;
 constexpr int64_t kPageBytes = 4096;
 
-// Loads the first 4 bytes of every cache line of [p, p + bytes) and returns them OR-ed (so
-// the loads are not dropped): the line reads go out back to back.
+// Loads the first byte of every cache line of [p, p + bytes) and returns them OR-ed (so the
+// loads are not dropped): the line reads go out back to back. One byte: never past the range.
 inline uint32_t read_lines(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
+  const uint8_t* c = static_cast<const uint8_t*>(p);
   uint32_t acc = 0;
-  for (int64_t i = 0; i < bytes; i += 64) {
-    uint32_t v;
-    std::memcpy(&v, c + i, 4);
-    acc |= v;
-  }
+  for (int64_t i = 0; i < bytes; i += 64) acc |= c[i];
   return acc;
 }
 
@@ -575,8 +573,9 @@ void decode_range(const DecodeProblem<T>& p, int64_t r, int64_t h0, int64_t h1, 
       }
     }
     // scores [nh, n]: each K row is loaded once for all G queries of its group (L1-hot after the
-    // first). Pages are scattered and too short for the hardware prefetcher to get ahead, so
-    // prefetch K kKAhead blocks and V kVAhead blocks ahead (the first ones before the loop).
+    // first). Without tile reads: pages are scattered and too short for the hardware
+    // prefetcher to get ahead, so prefetch K kKAhead blocks and V kVAhead blocks ahead (the
+    // first ones before the loop).
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
       const int64_t b = (start + t0) / bs;
       const T* k = k_block(b);
