@@ -94,8 +94,9 @@ inline void axpy(float* y, float a, const T* x, int64_t n) {
 #define PDSERVE_K_SPREAD 1
 #endif
 constexpr bool kKSpread = PDSERVE_K_SPREAD;
+constexpr int64_t kLineBytes = 64;
 template <typename T>
-constexpr int64_t kLineElems = 64 / sizeof(T);  // elements per cache line
+constexpr int64_t kLineElems = kLineBytes / sizeof(T);  // elements per cache line
 
 // Ask for the cache lines of one d-element row (a GCC/Clang builtin: no ISA dependence).
 template <typename T>
@@ -497,7 +498,7 @@ constexpr int64_t kPageBytes = 4096;
 inline uint32_t read_lines(const void* p, int64_t bytes) {
   const uint8_t* c = static_cast<const uint8_t*>(p);
   uint32_t acc = 0;
-  for (int64_t i = 0; i < bytes; i += 64) acc |= c[i];
+  for (int64_t i = 0; i < bytes; i += kLineBytes) acc |= c[i];
   return acc;
 }
 
