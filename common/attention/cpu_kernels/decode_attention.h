@@ -481,8 +481,10 @@ constexpr bool kVInPv = PDSERVE_V_IN_PV;
 // bench/attention_ab.py, 2 threads, 5-7 alternated rounds, bit-equal), B 64: fp32 KV
 // 1.09-1.24x, fp16 1.08-1.34x, bf16 0.99-1.08x; in the engine's batch-64 step
 // (bench/attention_engine_ab.py) the fp32 cache's attention 1.15-1.18x, the half caches'
-// within the VM's spread (docs/half-precision.md). The AVX-512 builds keep the prefetches
-// (tuned on the Zen 5; not measured with tile reads).
+// within the VM's spread (docs/half-precision.md). The AVX-512 builds keep the prefetches: on
+// the Zen 5 (bench/attention_ab.py with -DPDSERVE_TILE_READ=1 in b, B 64, 7 rounds, bit-equal)
+// tile reads ran 0.74-0.96x fp32 KV and 0.67-0.78x half KV. There the prefetched kernel
+// already reads at 57-80 GB/s, so a serial read pass only adds its own time.
 #ifndef PDSERVE_TILE_READ
 #ifdef __AVX512F__
 #define PDSERVE_TILE_READ 0
