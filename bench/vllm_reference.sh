@@ -19,6 +19,11 @@
 #                     the weights vLLM serves, as fp32). E.g. the GGUF as shipped (packed
 #                     weights, the same values in exact fp32 arithmetic) and a bf16 KV cache:
 #                     VARIANTS="fp32=--weights fp32;packed=--weights packed;packed-bf16kv=--weights packed --kv-cache-dtype bfloat16"
+#                     NAME@TREE=FLAGS serves that variant from another checkout (bench/variants.sh),
+#                     so a change and the code before it share a hold; with ROUNDS, rounds:
+#                     git worktree add ../base main && ROUNDS=2 PDS="python -m pdserve.cli" \
+#                       VARIANTS="before@../base=--weights fp32;after=--weights fp32" ...
+#                     (PDS then has to be a `python -m`, so PYTHONPATH picks the tree)
 set -euo pipefail
 OUT=${1:-/tmp/pdserve-vllm-reference}
 PY=${PY:-python}
@@ -31,6 +36,7 @@ HF=${HF_DIR:-$OUT/smollm2-hf}
 mkdir -p "$OUT"
 [ -f "$HF/model.safetensors" ] || $PY -m pdserve.bench.export_hf "$HF" > /dev/null
 export OMP_NUM_THREADS=2
+source "$(dirname "$0")/variants.sh"
 
 client() {  # client NAME RATE PORT [SUFFIX]: results in NAME-rRATE[SUFFIX].json
   "$VLLM_VENV/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$3" \
@@ -79,22 +85,16 @@ vllm_server() {  # vllm_server PORT: in a process group of its own (see hold_vll
     --served-model-name smollm2 --port "$1"
 }
 
-pdserve_server() {  # pdserve_server NAME PORT FLAGS...
-  local name=$1 port=$2; shift 2
+pdserve_server() {  # pdserve_server NAME PORT TREE FLAGS...: TREE empty for this checkout
+  local name=$1 port=$2 tree=$3; shift 3
+  [ -z "$tree" ] || export PYTHONPATH="$(variant_pythonpath "$OUT" "$name" "$tree")"
   # shellcheck disable=SC2068  # the flags are words
   exec $PDS up --mode colocated --num-threads 2 --cpus 0,1 --model smollm2 $@ \
     --no-prefix-caching --insecure --port "$port" --grpc-port $((port + 1)) \
     --discovery static --log-dir "$OUT/$name-logs"
 }
 
-VARIANTS=${VARIANTS:-pdserve=--weights fp32}
-NAMES=(); FLAGS=()
-IFS=';' read -ra SPECS <<< "$VARIANTS"
-for spec in "${SPECS[@]}"; do
-  name=${spec%%=*}
-  [[ "$name" =~ ^[A-Za-z0-9_.-]+$ && "$name" != vllm ]] || { echo "bad variant name: $name" >&2; exit 2; }
-  NAMES+=("$name"); FLAGS+=("${spec#*=}")
-done
+parse_variants "${VARIANTS:-pdserve=--weights fp32}"  # NAMES, FLAGS, TREES
 PIDS=()
 trap stop_servers EXIT
 if [ "$ROUNDS" = 0 ]; then  # sequential: one server up at a time, vLLM first
@@ -102,7 +102,8 @@ if [ "$ROUNDS" = 0 ]; then  # sequential: one server up at a time, vLLM first
   client vllm 2 "$PORT"; client vllm inf "$PORT"; stop_servers
   for i in "${!NAMES[@]}"; do
     # shellcheck disable=SC2086  # the flags are words
-    start_server "${NAMES[$i]}" "$PORT" pdserve_server "${NAMES[$i]}" "$PORT" ${FLAGS[$i]}
+    start_server "${NAMES[$i]}" "$PORT" pdserve_server "${NAMES[$i]}" "$PORT" "${TREES[$i]}" \
+      ${FLAGS[$i]}
     client "${NAMES[$i]}" 2 "$PORT"; client "${NAMES[$i]}" inf "$PORT"; stop_servers
   done
 else  # alternating: every server up (own port), each round runs the client against each
@@ -112,7 +113,8 @@ else  # alternating: every server up (own port), each round runs the client agai
   for i in "${!NAMES[@]}"; do
     PORTS+=($((PORT + 10 * (i + 1))))
     # shellcheck disable=SC2086  # the flags are words
-    start_server "${NAMES[$i]}" "${PORTS[-1]}" pdserve_server "${NAMES[$i]}" "${PORTS[-1]}" ${FLAGS[$i]}
+    start_server "${NAMES[$i]}" "${PORTS[-1]}" pdserve_server "${NAMES[$i]}" "${PORTS[-1]}" \
+      "${TREES[$i]}" ${FLAGS[$i]}
   done
   for k in $(seq "$ROUNDS"); do  # odd rounds in the listed order, even ones reversed
     ORDER=($(seq 0 $((${#SERVERS[@]} - 1)))); [ $((k % 2)) = 0 ] && ORDER=($(printf '%s\n' "${ORDER[@]}" | tac))
