@@ -22,14 +22,16 @@ parse_variants() {
   for spec in "${specs[@]}"; do
     head=${spec%%=*}
     name=${head%%@*}
-    tree=""
-    [[ "$head" == *@* ]] && tree=${head#*@}
     if [[ ! "$name" =~ ^[A-Za-z0-9_.-]+$ || "$name" == vllm ]]; then
       echo "bad variant name: $name" >&2; exit 2
     fi
-    if [[ "$head" == *@* && ! ( -f "$tree/__init__.py" && -f "$tree/cli.py" ) ]]; then
-      echo "variant $name: $tree is not a pdserve checkout (no __init__.py and cli.py)" >&2
-      exit 2
+    tree=""
+    if [[ "$head" == *@* ]]; then
+      tree=${head#*@}
+      if [[ ! ( -f "$tree/__init__.py" && -f "$tree/cli.py" ) ]]; then
+        echo "variant $name: $tree is not a pdserve checkout (no __init__.py and cli.py)" >&2
+        exit 2
+      fi
     fi
     NAMES+=("$name"); FLAGS+=("${spec#*=}"); TREES+=("$tree")
   done
