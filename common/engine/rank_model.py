@@ -12,6 +12,7 @@ from pdserve.common.distributed.layout import (WHOLE_MODEL, PipelineStage, Tenso
                                               kv_head_range)
 from pdserve.common.models.cpu_gemm import pack_linears, resolve_cpu_gemm
 from pdserve.common.models.dtype import resolve_dtype
+from pdserve.common.models.linear import use_blocked_weights
 from pdserve.common.models.llama import LlamaForCausalLM
 
 
@@ -30,6 +31,7 @@ def build_rank_model(config: EngineConfig, model_config: ModelConfig,
         return model
     if resolve_cpu_gemm(config.cpu_gemm, device) == "onednn":
         pack_linears(model)
+        use_blocked_weights(model)  # GGUF-packed layers' largest GEMMs (quant/blocked.py)
     native = load_cpu_kernels() if device == "cpu" else None
     if native is not None:
         model.use_cpu_kernels(native)

@@ -32,6 +32,8 @@ from torch import nn
 from pdserve.common.models.cpu_gemm import pack_weight, packed_linear, packed_linear_binary
 from pdserve.common.models.quant.gemm import packed_linear as quant_linear
 from pdserve.common.models.quant.gemm import packed_silu_and_mul as quant_silu_and_mul
+from pdserve.common.models.quant.blocked import BlockedWeights
+from pdserve.common.models.quant.cpu_native import load_packed_kernels
 from pdserve.common.models.quant.gemm import silu_and_mul
 from pdserve.common.models.quant.packed import PackedWeight
 
@@ -55,6 +57,7 @@ class _PackedLoading:
 
     def _init_packed(self) -> None:
         self.packed_weight: PackedWeight | None = None
+        self.blocked_weights: BlockedWeights | None = None  # use_blocked_weights sets it
         self._pending: dict = {}
 
     def load_packed(self, w: PackedWeight, shard_id=None) -> None:
@@ -111,7 +114,7 @@ class ColumnParallelLinear(_PackedLoading, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            return quant_linear(x, self.packed_weight, self.bias)
+            return quant_linear(x, self.packed_weight, self.bias, blocked=self.blocked_weights)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
@@ -163,7 +166,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         (quant/gemm.py's `silu_and_mul`; with GGUF blocks below the switch point, SiLU is fused
         into the packed kernel's store instead)."""
         if self.packed_weight is not None:
-            return quant_silu_and_mul(x, self.packed_weight, self.bias)
+            return quant_silu_and_mul(x, self.packed_weight, self.bias, self.blocked_weights)
         return silu_and_mul(self(x))
 
 
@@ -209,7 +212,7 @@ class RowParallelLinear(_PackedLoading, nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in / tp] -> x W^T (summed over ranks) + bias (+ residual) [T, out]."""
         if self.packed_weight is not None:  # only ever set with tp_size == 1
-            return quant_linear(x, self.packed_weight, self.bias, residual)
+            return quant_linear(x, self.packed_weight, self.bias, residual, self.blocked_weights)
         lead = self.tp_rank == 0  # only one rank's partial sum carries bias and residual
         bias = self.bias if lead else None
         if self.packed is not None:
@@ -238,3 +241,19 @@ class RowParallelLinear(_PackedLoading, nn.Module):
             return
         start, n = self.in_shard
         param.data.copy_(full[:, start:start + n])
+
+
+def use_blocked_weights(model: nn.Module) -> int:
+    """Give every CPU layer that kept its GGUF blocks one shared set of oneDNN-layout buffers
+    (quant/blocked.py: the largest-M GEMMs expand into them) where the packed kernels build;
+    returns how many layers got it."""
+    layers = [m for m in model.modules()
+              if isinstance(m, _PackedLoading) and m.packed_weight is not None
+              and m.packed_weight.data.device.type == "cpu"]
+    native = load_packed_kernels() if layers else None
+    if native is None:
+        return 0
+    blocked = BlockedWeights(native)
+    for m in layers:
+        m.blocked_weights = blocked
+    return len(layers)

@@ -31,6 +31,13 @@ def _switch_m() -> int:
 LARGE_M = _switch_m()  # this build's switch from the packed kernel to expand + GEMM
 
 
+def blocked_m() -> int | None:
+    """This build's switch to the expansion into oneDNN's layout (None: never), read when
+    called: a test may lower it to what its engine's step budget reaches."""
+    native = load_packed_kernels()
+    return gemm.BLOCKED_M[native.simd] if native is not None else None
+
+
 def make_weight(qtype: QType, n: int, k: int, seed: int = 0) -> tuple[PackedWeight, torch.Tensor]:
     """A random weight quantized by gguf-py; returns it packed and as gguf-py dequantizes it."""
     values = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
@@ -107,10 +114,11 @@ def engine(path, packed: bool) -> LLM:
 
 
 def assert_same_greedy(ours: LLM, ref: LLM, vocab: int) -> None:
-    """Equal greedy tokens and logprobs (up to summation order) for a short prompt and one long
-    enough to cross this build's quant.gemm.large_m (both CPU paths run)."""
-    long_prompt = [(7 * i) % (vocab - 1) + 1 for i in range(LARGE_M + 9)]
-    prompts = [[3, 17, 42, 99, 5], long_prompt]
+    """Equal greedy tokens and logprobs (up to summation order) for a short prompt, one long
+    enough to cross this build's quant.gemm.large_m and, where the build has one, one that
+    crosses BLOCKED_M (every CPU path runs)."""
+    prompts = [[3, 17, 42, 99, 5]] + [[(7 * i) % (vocab - 1) + 1 for i in range(m + 9)]
+                                      for m in (LARGE_M, blocked_m()) if m is not None]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     for a, b in zip(ours.generate(prompts, params), ref.generate(prompts, params)):
         assert a.token_ids == b.token_ids

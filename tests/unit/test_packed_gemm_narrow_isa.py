@@ -38,6 +38,7 @@ def test_narrow_build_passes_the_packed_gemm_tests(isa):
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "tests/unit/test_packed_gemm.py", "tests/unit/test_packed_kquants.py",
                           "tests/unit/test_packed_layer.py", "tests/unit/test_packed_stack.py",
+                          "tests/unit/test_packed_blocked.py",
                           # (and_fp32: its prompt-step count assumes this CPU's own switch point)
                           "-k", "not triton and not decodes and not dispatch and not and_fp32"],
                          cwd=ROOT, env=env,

@@ -2,7 +2,7 @@
 loader and the engine with --weights packed vs fp32: the packed blocks expand to exactly the fp32
 weights (Q/K rows un-permuted alike), fused layers stay packed only when all their shards can,
 the fingerprint is the same, and greedy tokens are equal with logprobs equal up to summation
-order. One long prompt crosses quant.gemm.LARGE_M, so both CPU paths run."""
+order. Long prompts cross quant.gemm.LARGE_M and BLOCKED_M, so every CPU path runs."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from pdserve.common.models.gguf_loader import load_gguf
 from pdserve.common.models.quant.embedding import PackedEmbedding
 from pdserve.common.models.quant.packed import PackedWeight, QType
 from pdserve.common.models.registry import expand_weights, model_fingerprint
-from pdserve.tests.unit.packed_helpers import (assert_same_greedy, engine,
+from pdserve.common.models.quant import gemm
+from pdserve.common.models.quant.cpu_native import load_packed_kernels
+from pdserve.tests.unit.packed_helpers import (assert_same_greedy, blocked_m, engine,
                                                write_tiny_llama_gguf)
 
 H, HEADS, KV_HEADS, INTER, VOCAB = 64, 4, 2, 96, 320
@@ -65,7 +67,10 @@ def test_packed_blocks_expand_to_the_fp32_weights(tmp_path, tied):
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_engine_packed_equals_fp32(tmp_path, tied):
+def test_engine_packed_equals_fp32(tmp_path, tied, monkeypatch):
+    simd = load_packed_kernels().simd
+    if gemm.BLOCKED_M[simd] is not None:  # within the test engine's 512-token step budget
+        monkeypatch.setitem(gemm.BLOCKED_M, simd, 512)
     write_gguf(tmp_path / "m.gguf", tied)
     ours, ref = engine(tmp_path / "m.gguf", True), engine(tmp_path / "m.gguf", False)
     model = ours.engine.model
@@ -83,3 +88,8 @@ def test_engine_packed_equals_fp32(tmp_path, tied):
         load_gguf(tmp_path / "m.gguf")[1]).values())  # each weight once, as fp32
     assert fp.resident_bytes < 0.5 * fp_ref.resident_bytes
     assert_same_greedy(ours, ref, VOCAB)
+    # the packed layers share one set of oneDNN-layout buffers, used from BLOCKED_M rows on
+    blocked = layer0.self_attn.qkv_proj.blocked_weights
+    assert blocked is not None and layer1.mlp.gate_up_proj.blocked_weights is blocked
+    assert qkv1.blocked_weights is None  # not packed
+    assert (blocked.nbytes > 0) == (blocked_m() is not None)

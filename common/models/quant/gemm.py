@@ -8,7 +8,9 @@
 - CPU, M >= LARGE_M[simd]: expand W to fp32 (native; whole, or in EXPAND_BYTES tiles of rows)
   and multiply with oneDNN's fp32 GEMM, bias and residual fused as post-ops like the fp32
   path's, gate/up's SiLU-and-mul one vectorized pass after its one GEMM (`silu_and_mul`;
-  torch's `linear` where oneDNN is missing). With many rows
+  torch's `linear` where oneDNN is missing). From BLOCKED_M[simd] rows on, where the layer
+  has a `BlockedWeights` (quant/blocked.py), W is expanded straight into oneDNN's blocked
+  layout instead, and the GEMM runs as on a prepacked weight. With many rows
   the GEMM is compute-bound, the expansion is paid once per M rows, and the tuned GEMM beats
   the packed kernel (whose activation blocks stream from L3 once per panel).
 - CUDA: the Triton kernel (quant/triton_gemm.py), which expands blocks in registers too.
@@ -25,6 +27,7 @@ import torch
 from pdserve.common.models.cpu_gemm import onednn_available
 from pdserve.common.models.cpu_gemm import packed_linear as cpu_gemm_linear
 from pdserve.common.models.cpu_gemm import packed_linear_binary as cpu_gemm_binary
+from pdserve.common.models.quant.blocked import BlockedWeights
 from pdserve.common.models.quant.cpu_native import load_packed_kernels
 from pdserve.common.models.quant.packed import PackedWeight
 
@@ -35,6 +38,14 @@ from pdserve.common.models.quant.packed import PackedWeight
 # tiles, even at M = 256 (packed 1.00-1.08x expand + GEMM at 256, 1.09-1.34x below); scalar
 # not measured.
 LARGE_M = {"avx512": 96, "avx2": 256, "scalar": 256}
+# From this many activation rows on, the large-M path expands into oneDNN's blocked layout
+# (quant/blocked.py) where the layer has buffers for it. Handed a plain weight, oneDNN costs
+# more than its reorder: its GEMM slows with M, while writing the blocked layout costs ~10 ms
+# a forward more than a plain expansion. `crossover --blocked` over 30 SmolLM2 Q4_1 layers on
+# a Zen 5, 2 threads, paths alternated, blocked / expand+GEMM: 1.04 at M = 96 and 256, 1.01
+# at 512, 0.96 at 768, 0.95 at 1024, 0.92 at 2048 (an earlier pass: 1.00 at 512, 0.96, 0.89,
+# 0.93). None: not measured for that build (the plain path stays).
+BLOCKED_M = {"avx512": 768, "avx2": None, "scalar": None}
 # Most fp32 bytes the large-M path expands at once: a whole SmolLM2-135M matrix (7 MB at most;
 # its LM head tiles), a SmolLM2-1.7B gate/up in 5 tiles. Transient: freed after the GEMM.
 EXPAND_BYTES = 32 << 20
@@ -48,13 +59,15 @@ def large_m(simd: str) -> int:
 
 
 def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] fp32 -> x W^T (+ bias [N]) (+ residual [M, N]) as [M, N] fp32."""
+                  residual: torch.Tensor | None = None,
+                  blocked: BlockedWeights | None = None) -> torch.Tensor:
+    """x [M, K] fp32 -> x W^T (+ bias [N]) (+ residual [M, N]) as [M, N] fp32. `blocked`:
+    the model's oneDNN-layout buffers, for the largest M (None: plain expansion)."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be [M, {w.in_features}], got {tuple(x.shape)}")
     if x.dtype != torch.float32:  # half activations (--dtype): multiply in fp32, round back
         y = packed_linear(x.float(), w, None if bias is None else bias.float(),
-                          None if residual is None else residual.float())
+                          None if residual is None else residual.float(), blocked)
         return y.to(x.dtype)
     if x.is_cuda:
         from pdserve.common.models.quant.triton_gemm import triton_packed_linear
@@ -65,6 +78,11 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
         return y if residual is None else y + residual
     if x.shape[0] < large_m(native.simd):
         return native.packed_gemm(x, w.data, int(w.qtype), bias, residual)
+    threshold = BLOCKED_M[native.simd]
+    if blocked is not None and threshold is not None and x.shape[0] >= threshold:
+        prepacked = blocked.expand(w)
+        if prepacked is not None:
+            return _fp32_gemm(x.contiguous(), prepacked, bias, residual)
     return _expand_then_gemm(native, x, w, bias, residual)
 
 
@@ -94,8 +112,8 @@ def _expand_then_gemm(native, x, w: PackedWeight, bias, residual) -> torch.Tenso
     return y if residual is None else y.add_(residual)
 
 
-def packed_silu_and_mul(x: torch.Tensor, w: PackedWeight,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_silu_and_mul(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
+                        blocked: BlockedWeights | None = None) -> torch.Tensor:
     """x [M, K] -> silu(x Wg^T + bg) * (x Wu^T + bu) [M, N / 2] for W = [gate; up] [N, K].
     Below the switch point the native kernel computes the SiLU and the product as it stores
     (`packed_gemm_silu_mul`: one call, no [M, N] tensor to split). From there on one GEMM makes
@@ -106,7 +124,7 @@ def packed_silu_and_mul(x: torch.Tensor, w: PackedWeight,
     if (native is not None and x.dtype == torch.float32 and x.dim() == 2
             and x.shape[0] < large_m(native.simd)):  # the packed kernel, SiLU fused in it
         return native.packed_gemm_silu_mul(x, w.data, int(w.qtype), bias)
-    return silu_and_mul(packed_linear(x, w, bias))
+    return silu_and_mul(packed_linear(x, w, bias, blocked=blocked))
 
 
 def silu_and_mul(y: torch.Tensor) -> torch.Tensor:

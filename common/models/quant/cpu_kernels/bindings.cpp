@@ -18,6 +18,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "fp32 rows of a GGUF-packed weight (CPU)", release(),
         py::arg("w"), py::arg("qtype"), py::arg("k"), py::arg("n0") = 0, py::arg("n1") = 0,
         py::arg("rows") = py::none());
+  m.def("dequantize_blocked", &dequantize_blocked,
+        "a GGUF-packed weight expanded into oneDNN's blocked fp32 layout Ab{ob}a (CPU)",
+        release(), py::arg("w"), py::arg("qtype"), py::arg("k"), py::arg("out"), py::arg("ob"));
   m.def("packed_decode_layer", &packed_decode_layer,
         "One packed decoder layer for T < 4 decode tokens in one parallel region (CPU, fp32)",
         release(), py::arg("x"), py::arg("ln1"), py::arg("ln2"), py::arg("eps"),

@@ -19,6 +19,8 @@ at::Tensor packed_gemm_silu_mul(const at::Tensor& x, const at::Tensor& w, int64_
 at::Tensor silu_mul_rows(const at::Tensor& y);
 at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t n0, int64_t n1,
                       const c10::optional<at::Tensor>& rows);
+void dequantize_blocked(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& out,
+                        int64_t ob);
 int64_t packed_fused_rows();  // packed_decode_layer(s) take fewer tokens than this
 const char* packed_simd();    // "avx512", "avx2" or "scalar": the build's instruction set
 

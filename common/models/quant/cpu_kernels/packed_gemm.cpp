@@ -2,6 +2,8 @@
 // Q3_K, Q4_K, Q5_K, Q6_K), exact fp32 arithmetic:
 //   packed_gemm   out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) (+ residual[m, n])
 //   dequantize    the fp32 rows of a packed weight (for large-M GEMMs and embedding lookups)
+//   dequantize_blocked  the whole weight in oneDNN's blocked layout (the largest-M GEMMs;
+//                 blocked_expand.h)
 // Each 32-weight (sub-)block is expanded to fp32 in registers exactly as gguf-py's dequantize
 // computes it (fp16 scales and mins widened to fp32; the products d * q are exact in fp32, so
 // fma(d, q, m) rounds once, like numpy's (d * q) + m), then multiplied with fp32 activations and
@@ -39,6 +41,7 @@
 #include <ATen/ops/empty.h>
 
 #include "packed_api.h"
+#include "blocked_expand.h"
 #include "packed_kernels.h"
 
 // x [M, K] fp32 (unit column stride; rows may be strided), w [N, K / block_size * block_bytes] uint8,
@@ -166,6 +169,37 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, int64_t n0,
     });
   });
   return out;
+}
+
+// w [N, K / block_size * block_bytes] uint8 -> the whole weight, fp32, written into `out` in
+// oneDNN's blocked weight layout "Ab{ob}a": blocks of ob rows, each stored column by column,
+// weight (n, k) at (n / ob) * ob * K + k * ob + n % ob; the rows past N that pad the last
+// block to ob are written as zeros. It is the order `_reorder_linear_weight` gives an fp32
+// [N, K] weight (its "AB16b64a" on AVX-512; quant/blocked.py checks it per shape). Written so,
+// the GEMM that follows runs on a prepacked weight: handed a plain [N, K] one, oneDNN reorders
+// it into this layout on every call.
+void dequantize_blocked(const at::Tensor& w, int64_t qtype, int64_t K, const at::Tensor& out,
+                        int64_t ob) {
+  check_weight("dequantize_blocked", w, qtype, K);
+  const int64_t N = w.size(0);
+  TORCH_CHECK_VALUE(0 < ob && ob <= 1024, "dequantize_blocked: blocks must hold 1 .. 1024 "
+                    "rows, got ", ob);
+  const int64_t groups = (N + ob - 1) / ob;
+  TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                        out.device().is_cpu() && out.numel() == groups * ob * K,
+                    "dequantize_blocked: out must be contiguous float32 CPU with ",
+                    groups * ob * K, " elements, got ", out.sizes());
+  const uint8_t* base = w.data_ptr<uint8_t>();
+  const int64_t rb = w.size(1);
+  float* o = out.data_ptr<float>();
+  dispatch(qtype, [&](auto qt) {
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      std::vector<float> rows(ob * K);  // a block's rows expanded plainly (L2-resident)
+      for (int64_t g = g0; g < g1; ++g)
+        expand_block_blocked<decltype(qt)::value>(base, rb, K, g * ob, std::min(ob, N - g * ob),
+                                                  o + g * ob * K, ob, rows.data());
+    });
+  });
 }
 
 int64_t packed_fused_rows() { return PANEL_MIN_M; }
