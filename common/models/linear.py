@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from pdserve.common.models.cpu_gemm import pack_weight, packed_linear, packed_linear_binary
-from pdserve.common.models.quant.gemm import packed_linear as quant_linear
-from pdserve.common.models.quant.gemm import packed_silu_and_mul as quant_silu_and_mul
 from pdserve.common.models.quant.blocked import BlockedWeights
 from pdserve.common.models.quant.cpu_native import load_packed_kernels
+from pdserve.common.models.quant.gemm import packed_linear as quant_linear
+from pdserve.common.models.quant.gemm import packed_silu_and_mul as quant_silu_and_mul
 from pdserve.common.models.quant.gemm import silu_and_mul
 from pdserve.common.models.quant.packed import PackedWeight
 

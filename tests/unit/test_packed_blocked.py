@@ -71,17 +71,16 @@ def test_match_rejects_other_orders():
     """Column blocks outermost (a "Ba16b"-like order) or two weights swapped is not a
     BlockedLayout; all columns of all rows in one block (plain column-major) is one."""
     n, k = 32, 48
-    rows = torch.arange(1, n + 1, dtype=torch.float32).unsqueeze(1).expand(n, k)
-    cols = torch.arange(1, k + 1, dtype=torch.float32).expand(n, k)
-    by_column_blocks = lambda t: t.reshape(n, k // 16, 16).transpose(0, 1).reshape(-1)  # noqa
-    assert _match(n, k, by_column_blocks(rows), by_column_blocks(cols)) is None
-    assert _match(n, k, rows.t().reshape(-1), cols.t().reshape(-1)) == BlockedLayout(n, k, n)
+    index = torch.arange(1, n * k + 1, dtype=torch.float32).view(n, k)
+    by_column_blocks = index.reshape(n, k // 16, 16).transpose(0, 1).reshape(-1)
+    assert _match(n, k, by_column_blocks) is None
+    assert _match(n, k, index.t().reshape(-1)) == BlockedLayout(n, k, n)
     layout = BlockedLayout(n, k, 16)
-    r, c = blocked_reference(rows, layout), blocked_reference(cols, layout)
-    assert _match(n, k, r, c) == layout
-    swap = torch.arange(r.numel())
+    flat = blocked_reference(index, layout)
+    assert _match(n, k, flat) == layout
+    swap = torch.arange(flat.numel())
     swap[[5, 9]] = swap[[9, 5]]
-    assert _match(n, k, r[swap], c[swap]) is None
+    assert _match(n, k, flat[swap]) is None
 
 
 @needs_onednn

@@ -6,10 +6,10 @@ more rows (30 SmolLM2 layers on a Zen 5: 8% slower at M = 2048). So from quant/g
 BLOCKED_M rows on, the large-M path expands a packed weight into that layout itself (the
 native `dequantize_blocked`, each fp32 weight written once at its place) and runs oneDNN on
 it as on a prepacked weight: the fp32 path's GEMM, for an expansion ~3x a plain one's cost.
-Measured in docs/packed-weights.md ("Expanding into oneDNN's layout").
+Measured in docs/packed-weights.md ("The Zen 5, session 21").
 
 How: `probe_layout(n, k)` asks oneDNN which layout it gives an [n, k] fp32 weight: it reorders
-two index matrices (row + 1, column + 1; exact in fp32) and reads the results back through
+an index matrix (each weight's flat index + 1, exact in fp32) and reads it back through
 `torch.ops.mkldnn.data_ptr`. Where that layout is `BlockedLayout`'s (blocks of ob rows stored
 column by column: "AB16b64a" on the Zen 5's AVX-512, the same order as "Ab64a") the probe
 returns it and its reordered tensor, which becomes the shape's buffer; any other layout, or a
@@ -18,9 +18,10 @@ torch without those ops, gives None, and the caller expands plainly as before.
 Lifecycle: one `BlockedWeights` per model, handed to every packed layer
 (models/linear.py's `use_blocked_weights`). A shape's buffer is made by the first GEMM of that
 shape past BLOCKED_M (the start-up profiling forward at the step budget, 2048 rows by default,
-makes every one, so the memory plan counts them) and lives as long as the model. Only one forward runs at a time (the engine's one
-thread), so every layer of a shape shares one buffer: a GEMM finishes before the next layer
-expands into it.
+makes every one, so the memory plan counts them; the probe's own transient is one more
+tensor of the weight's size) and lives as long as the model. Only one forward runs at a
+time (the engine's one thread), so every layer of a shape shares one buffer: a GEMM finishes
+before the next layer expands into it.
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ class BlockedLayout:
     def numel(self) -> int:
         return -(-self.n // self.ob) * self.ob * self.k
 
-    def offsets(self) -> torch.Tensor:
-        """[n, k] int64: where each weight sits in the blocked buffer."""
-        r = torch.arange(self.n).unsqueeze(1)
+    def offsets(self, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+        """[r1 - r0, k] int64: where the weights of rows r0 .. r1 (default: all) sit in the
+        blocked buffer."""
+        r = torch.arange(r0, self.n if r1 is None else r1).unsqueeze(1)
         c = torch.arange(self.k).unsqueeze(0)
         return (r // self.ob) * self.ob * self.k + c * self.ob + r % self.ob
 
@@ -73,38 +75,40 @@ def onednn_buffer(packed: torch.Tensor) -> torch.Tensor:
 
 def probe_layout(n: int, k: int) -> tuple[BlockedLayout, torch.Tensor] | None:
     """(layout, a oneDNN weight in it) for an [n, k] fp32 weight, or None where oneDNN's
-    layout is not a `BlockedLayout` or this torch cannot show it."""
-    if not (0 < n < 1 << 24 and 0 < k < 1 << 24):  # index + 1 must stay exact in fp32
+    layout is not a `BlockedLayout` or this torch cannot show it. oneDNN reorders one index
+    matrix (weight (r, c) = r * k + c + 1, exact in fp32 below 2^24 weights), which then
+    serves as the shape's buffer: the probe's only transient is that plain matrix."""
+    if not 0 < n * k < 1 << 24:
         return None
     try:
-        reorder = torch.ops.mkldnn._reorder_linear_weight
-        rows = reorder(torch.arange(1, n + 1, dtype=torch.float32).unsqueeze(1).expand(n, k)
-                       .contiguous())
-        cols = reorder(torch.arange(1, k + 1, dtype=torch.float32).expand(n, k).contiguous())
-        r, c = onednn_buffer(rows), onednn_buffer(cols)
+        index = torch.arange(1, n * k + 1, dtype=torch.float32).view(n, k)
+        packed = torch.ops.mkldnn._reorder_linear_weight(index)
+        del index
+        flat = onednn_buffer(packed)
     except (AttributeError, RuntimeError):  # an older torch, or no oneDNN
         return None
-    layout = _match(n, k, r, c)
-    return None if layout is None else (layout, rows)
+    layout = _match(n, k, flat)
+    return None if layout is None else (layout, packed)
 
 
-def _match(n: int, k: int, r: torch.Tensor, c: torch.Tensor) -> BlockedLayout | None:
-    """The layout that puts row + 1 (r) and column + 1 (c) where oneDNN's reorder did (its
-    padding holds zeros): ob is where column 2 first appears."""
-    second = (c == 2).nonzero()
+def _match(n: int, k: int, flat: torch.Tensor) -> BlockedLayout | None:
+    """The layout that puts each weight's index r * k + c + 1 where oneDNN's reorder did (its
+    padding holds zeros): ob is where weight (0, 1) landed."""
+    second = (flat[:1025] == 2).nonzero()  # a block holds at most 1024 rows
     if k < 2 or second.numel() == 0:
         return None
     try:
         layout = BlockedLayout(n, k, int(second[0, 0]))
     except ValueError:
         return None
-    if layout.numel != r.numel():
+    if layout.numel != flat.numel():
         return None
-    at = layout.offsets().reshape(-1)
-    want_r = torch.arange(1, n + 1, dtype=torch.float32).repeat_interleave(k)
-    want_c = torch.arange(1, k + 1, dtype=torch.float32).repeat(n)
-    if not (torch.equal(r[at], want_r) and torch.equal(c[at], want_c)):
-        return None
+    step = max(1, (1 << 18) // k)  # rows checked at a time: bounded transient memory
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        want = torch.arange(r0 * k + 1, r1 * k + 1, dtype=torch.float32)
+        if not torch.equal(flat[layout.offsets(r0, r1).reshape(-1)], want):
+            return None
     return layout
 
 

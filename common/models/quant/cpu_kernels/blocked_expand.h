@@ -89,5 +89,4 @@ void expand_block_blocked(const uint8_t* base, int64_t rb, int64_t K, int64_t n0
     for (int64_t r = 0; r < ob; ++r) dst[k * ob + r] = rows[r * K + k];
 }
 
-
 }  // namespace
