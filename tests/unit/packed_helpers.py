@@ -115,10 +115,12 @@ def engine(path, packed: bool) -> LLM:
 
 def assert_same_greedy(ours: LLM, ref: LLM, vocab: int) -> None:
     """Equal greedy tokens and logprobs (up to summation order) for a short prompt, one long
-    enough to cross this build's quant.gemm.large_m and, where the build has one, one that
-    crosses BLOCKED_M (every CPU path runs)."""
-    prompts = [[3, 17, 42, 99, 5]] + [[(7 * i) % (vocab - 1) + 1 for i in range(m + 9)]
-                                      for m in (LARGE_M, blocked_m()) if m is not None]
+    enough to cross this build's quant.gemm.large_m and, where the build has a BLOCKED_M that
+    the engine's step budget reaches, one that crosses it (every CPU path runs)."""
+    budget = ours.engine.config.scheduler.max_num_batched_tokens
+    lengths = [m + 9 for m in (LARGE_M, blocked_m()) if m is not None and m <= budget]
+    prompts = [[3, 17, 42, 99, 5]] + [[(7 * i) % (vocab - 1) + 1 for i in range(n)]
+                                      for n in lengths]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     for a, b in zip(ours.generate(prompts, params), ref.generate(prompts, params)):
         assert a.token_ids == b.token_ids
