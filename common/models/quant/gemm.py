@@ -44,7 +44,8 @@ LARGE_M = {"avx512": 96, "avx2": 256, "scalar": 256}
 # a forward more than a plain expansion. `crossover --blocked` over 30 SmolLM2 Q4_1 layers on
 # a Zen 5, 2 threads, paths alternated, blocked / expand+GEMM: 1.04 at M = 96 and 256, 1.01
 # at 512, 0.96 at 768, 0.95 at 1024, 0.92 at 2048 (an earlier pass: 1.00 at 512, 0.96, 0.89,
-# 0.93). None: not measured for that build (the plain path stays).
+# 0.93; two an hour later 0.87-0.91 from M = 256 on, 0.90-1.00 at 2048): all passes agree
+# from 768 on. None: not measured for that build (the plain path stays).
 BLOCKED_M = {"avx512": 768, "avx2": None, "scalar": None}
 # Most fp32 bytes the large-M path expands at once: a whole SmolLM2-135M matrix (7 MB at most;
 # its LM head tiles), a SmolLM2-1.7B gate/up in 5 tiles. Transient: freed after the GEMM.
