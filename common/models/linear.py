@@ -16,10 +16,13 @@ Gate/up's SiLU-and-mul is one vectorized pass after its GEMM (quant/gemm.py's `s
 Without packing the same methods run torch's ops, with the same results up to fp32 rounding.
 
 GGUF-quantized weights may instead stay packed (quant/packed.py): `load_packed` takes each
-shard's blocks, `finish_loading` stacks them into one `packed_weight` and drops the fp32
-parameter, and forward multiplies through quant/gemm.py (blocks expanded to fp32 in registers,
-fp32 accumulation). A layer whose shards cannot all stay packed (mixed types, some shards fp32,
-tp_size > 1) expands the packed ones into its fp32 weight instead, so it always loads.
+shard's blocks, `finish_loading` stacks them into `packed_parts` and drops the fp32 parameter,
+and forward multiplies through quant/gemm.py (blocks expanded to fp32 in registers, fp32
+accumulation). A fused layer whose shards differ in type (a Q4_K_M file's Q6_K v beside Q4_K
+q and k) keeps one packed part per run of same-typed shards and multiplies each: one GEMM
+per part, their outputs side by side. A layer whose shards cannot all stay packed (some
+shards fp32, tp_size > 1) expands the packed ones into its fp32 weight instead, so it always
+loads.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ from pdserve.common.models.cpu_gemm import pack_weight, packed_linear, packed_li
 from pdserve.common.models.quant.blocked import BlockedWeights
 from pdserve.common.models.quant.cpu_native import load_packed_kernels
 from pdserve.common.models.quant.gemm import packed_linear as quant_linear
+from pdserve.common.models.quant.gemm import packed_linear_parts as quant_linear_parts
 from pdserve.common.models.quant.gemm import packed_silu_and_mul as quant_silu_and_mul
 from pdserve.common.models.quant.gemm import silu_and_mul
-from pdserve.common.models.quant.packed import PackedWeight
+from pdserve.common.models.quant.packed import PackedWeight, stack_runs
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +60,9 @@ class _PackedLoading:
     packed_shard_ids: tuple = (None,)
 
     def _init_packed(self) -> None:
-        self.packed_weight: PackedWeight | None = None
+        # the weight's GGUF blocks as row groups in output order, one per run of same-typed
+        # shards; () when the layer holds fp32
+        self.packed_parts: tuple[PackedWeight, ...] = ()
         self.blocked_weights: BlockedWeights | None = None  # use_blocked_weights sets it
         self._pending: dict = {}
 
@@ -69,27 +75,37 @@ class _PackedLoading:
                              f"{self.full_shape(shard_id)}")
         self._pending[shard_id] = w
 
+    @property
+    def packed_weight(self) -> PackedWeight | None:
+        """The packed weight when the layer is one GGUF type throughout (one part); None when
+        it holds fp32 or several parts."""
+        return self.packed_parts[0] if len(self.packed_parts) == 1 else None
+
     def _apply(self, fn, recurse=True):  # .to(device) moves the packed bytes too
-        if self.packed_weight is not None:
-            self.packed_weight = self.packed_weight.apply(fn)
+        self.packed_parts = tuple(p.apply(fn) for p in self.packed_parts)
         return super()._apply(fn, recurse)
 
     def finish_loading(self) -> None:
-        """After every weight is loaded: one packed weight if all shards came packed in one
-        type (and tp_size == 1), else the packed shards expanded into the fp32 weight."""
+        """After every weight is loaded: if all shards came packed (and tp_size == 1), the
+        packed parts (consecutive shards of one type stacked into one); else the packed shards
+        expanded into the fp32 weight."""
         pending, self._pending = self._pending, {}
         if not pending:
             return
         parts = [pending.get(s) for s in self.packed_shard_ids]
-        if (self.tp_size == 1 and all(p is not None for p in parts)
-                and len({(p.qtype, p.in_features) for p in parts}) == 1):
-            self.packed_weight = parts[0] if len(parts) == 1 else PackedWeight.cat(parts)
-            if tuple(self.packed_weight.shape) != tuple(self.weight.shape):
-                raise ValueError(f"packed weight has shape {self.packed_weight.shape}, "
+        if self.tp_size == 1 and all(p is not None for p in parts):
+            self.packed_parts = stack_runs(parts)
+            rows = sum(p.out_features for p in self.packed_parts)
+            if (rows, parts[0].in_features) != tuple(self.weight.shape):
+                raise ValueError(f"packed weight has shape {(rows, parts[0].in_features)}, "
                                  f"expected {tuple(self.weight.shape)}")
             self.weight = None  # a tied embedding keeps its own reference
+            if len(self.packed_parts) > 1:
+                logger.info("%s: kept packed as %d parts (%s)", type(self).__name__,
+                            len(self.packed_parts),
+                            ", ".join(p.qtype.name for p in self.packed_parts))
             return
-        logger.info("%s: shards %s expanded to fp32 (mixed types, fp32 shards or tp > 1)",
+        logger.info("%s: shards %s expanded to fp32 (fp32 shards or tp > 1)",
                     type(self).__name__, sorted(map(str, pending)))
         for shard_id, w in pending.items():
             self.weight_loader(self.weight, w.dequantize(), shard_id)
@@ -113,8 +129,8 @@ class ColumnParallelLinear(_PackedLoading, nn.Module):
         self._init_packed()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return quant_linear(x, self.packed_weight, self.bias, blocked=self.blocked_weights)
+        if self.packed_parts:
+            return quant_linear_parts(x, self.packed_parts, self.bias, self.blocked_weights)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
@@ -164,7 +180,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """x [T, in] -> silu(gate) * up [T, out / 2] for a [gate, up] pair of projections: one
         GEMM makes [T, out] = [gate | up] and one vectorized pass the SiLU and the product
         (quant/gemm.py's `silu_and_mul`; with GGUF blocks below the switch point, SiLU is fused
-        into the packed kernel's store instead)."""
+        into the packed kernel's store instead, when gate and up share one GGUF type)."""
         if self.packed_weight is not None:
             return quant_silu_and_mul(x, self.packed_weight, self.bias, self.blocked_weights)
         return silu_and_mul(self(x))
@@ -248,8 +264,8 @@ def use_blocked_weights(model: nn.Module) -> int:
     (quant/blocked.py: the largest-M GEMMs expand into them) where the packed kernels build;
     returns how many layers got it."""
     layers = [m for m in model.modules()
-              if isinstance(m, _PackedLoading) and m.packed_weight is not None
-              and m.packed_weight.data.device.type == "cpu"]
+              if isinstance(m, _PackedLoading) and m.packed_parts
+              and m.packed_parts[0].data.device.type == "cpu"]
     native = load_packed_kernels() if layers else None
     if native is None:
         return 0

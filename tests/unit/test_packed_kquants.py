@@ -149,7 +149,9 @@ def test_kquant_gguf_loads_packed_and_decodes_like_fp32(tmp_path, tied):
     assert layer1.self_attn.qkv_proj.packed_weight.qtype == QType.Q5_K
     assert layer0.self_attn.o_proj.packed_weight.qtype == QType.Q3_K
     assert layer1.mlp.gate_up_proj.packed_weight.qtype == QType.Q2_K
-    assert layer0.self_attn.qkv_proj.packed_weight is None  # Q4_K q/k with a Q6_K v: expanded
+    qkv0 = layer0.self_attn.qkv_proj  # Q4_K q/k with a Q6_K v, as a Q4_K_M file: two parts
+    assert qkv0.weight is None and [p.qtype for p in qkv0.packed_parts] == [QType.Q4_K,
+                                                                            QType.Q6_K]
     assert isinstance(model.embed_tokens, PackedEmbedding)
     assert model.embed_tokens.packed_weight.qtype == QType.Q6_K
     head = model.lm_head.packed_weight

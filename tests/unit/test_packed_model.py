@@ -1,6 +1,6 @@
 """A small GGUF with Q4_0 / Q4_1 / Q8_0 matrices (and a type without a packed kernel) through the
 loader and the engine with --weights packed vs fp32: the packed blocks expand to exactly the fp32
-weights (Q/K rows un-permuted alike), fused layers stay packed only when all their shards can,
+weights (Q/K rows un-permuted alike), a fused layer whose shards mix types stays packed as parts,
 the fingerprint is the same, and greedy tokens are equal with logprobs equal up to summation
 order. Long prompts cross quant.gemm.LARGE_M and BLOCKED_M, so every CPU path runs."""
 
@@ -77,9 +77,11 @@ def test_engine_packed_equals_fp32(tmp_path, tied, monkeypatch):
     layer0, layer1 = model.layers
     assert layer0.self_attn.qkv_proj.packed_weight.qtype == QType.Q4_0
     assert layer0.mlp.gate_up_proj.packed_weight.shape == (2 * INTER, H)
-    assert layer1.self_attn.qkv_proj.packed_weight is None  # Q4_1 q/k with a Q8_0 v
-    qkv1 = layer1.self_attn.qkv_proj
-    assert qkv1.weight is not None or qkv1.packed is not None  # fp32 (oneDNN-packed or plain)
+    qkv1 = layer1.self_attn.qkv_proj  # Q4_1 q/k with a Q8_0 v: two packed parts, no fp32
+    assert qkv1.packed_weight is None and qkv1.weight is None and qkv1.packed is None
+    head_dim = H // HEADS
+    assert [(p.qtype, p.shape) for p in qkv1.packed_parts] == [
+        (QType.Q4_1, ((HEADS + KV_HEADS) * head_dim, H)), (QType.Q8_0, (KV_HEADS * head_dim, H))]
     assert layer1.mlp.down_proj.packed_weight is None and layer1.mlp.gate_up_proj.packed_weight
     assert isinstance(model.embed_tokens, PackedEmbedding)
     assert (model.lm_head.packed_weight is model.embed_tokens.packed_weight) == tied
@@ -91,5 +93,5 @@ def test_engine_packed_equals_fp32(tmp_path, tied, monkeypatch):
     # the packed layers share one set of oneDNN-layout buffers, used from BLOCKED_M rows on
     blocked = layer0.self_attn.qkv_proj.blocked_weights
     assert blocked is not None and layer1.mlp.gate_up_proj.blocked_weights is blocked
-    assert qkv1.blocked_weights is None  # not packed
+    assert qkv1.blocked_weights is blocked
     assert (blocked.nbytes > 0) == (blocked_m() is not None)

@@ -19,6 +19,10 @@ class PackedEmbedding(nn.Module):
         self.packed_weight = weight
 
     @property
+    def packed_parts(self) -> tuple[PackedWeight, ...]:
+        return (self.packed_weight,)
+
+    @property
     def num_embeddings(self) -> int:
         return self.packed_weight.out_features
 

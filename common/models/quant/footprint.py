@@ -6,13 +6,13 @@ import torch
 from torch import nn
 
 from pdserve.common.kv.memory import WeightsFootprint
-from pdserve.common.models.quant.packed import PackedWeight
+from pdserve.common.models.quant.packed import HoldsPacked, PackedWeight
 
 
 def weights_footprint(model: nn.Module) -> WeightsFootprint:
-    """Resident bytes of every parameter, GGUF-packed weight (`packed_weight`) and oneDNN
-    prepacked weight (`packed`: cpu_gemm.py), each storage counted once (a tied
-    head shares the embedding's), beside the bytes all of them take as fp32."""
+    """Resident bytes of every parameter, GGUF-packed weight (`HoldsPacked` modules) and
+    oneDNN prepacked weight (`packed`: cpu_gemm.py), each storage counted once (a tied head
+    shares the embedding's), beside the bytes all of them take as fp32."""
     seen: set[int] = set()
     resident = fp32 = 0
 
@@ -29,9 +29,9 @@ def weights_footprint(model: nn.Module) -> WeightsFootprint:
         for p in module.parameters(recurse=False):
             if p is not None:
                 count(p, p.numel() * 4)
-        w = getattr(module, "packed_weight", None)
-        if isinstance(w, PackedWeight):
-            count(w.data, w.fp32_nbytes)
+        if isinstance(module, HoldsPacked):
+            for w in module.packed_parts:
+                count(w.data, w.fp32_nbytes)
         onednn = getattr(module, "packed", None)
         if isinstance(onednn, torch.Tensor):
             count(onednn, onednn.numel() * 4)
@@ -43,8 +43,7 @@ def loaded_weights_footprint(weights: dict, packed_stays_packed: bool = True
     """The same count from the loaded checkpoint, before any model is built (the KV plan comes
     first: the executor allocates each rank's model and KV caches together). A PackedWeight
     counts packed when it stays packed (`packed_stays_packed`: false under tensor parallelism,
-    where every shard is expanded); a fused layer whose shards mix types is expanded by the
-    model but counted packed here, so the estimate can run a few MB low for such files."""
+    where every shard is expanded)."""
     seen: set[int] = set()
     resident = fp32 = 0
     for w in weights.values():

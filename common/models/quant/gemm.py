@@ -87,6 +87,24 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     return _expand_then_gemm(native, x, w, bias, residual)
 
 
+def packed_linear_parts(x: torch.Tensor, parts: tuple[PackedWeight, ...],
+                        bias: torch.Tensor | None = None,
+                        blocked: BlockedWeights | None = None) -> torch.Tensor:
+    """x [M, K] -> x W^T (+ bias) [M, N] for W stored as row groups `parts` (stacked in
+    order; their types may differ): one `packed_linear` per part, written side by side."""
+    if len(parts) == 1:
+        return packed_linear(x, parts[0], bias, blocked=blocked)
+    n = sum(p.out_features for p in parts)
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    n0 = 0
+    for p in parts:
+        n1 = n0 + p.out_features
+        y[:, n0:n1] = packed_linear(x, p, None if bias is None else bias[n0:n1],
+                                    blocked=blocked)
+        n0 = n1
+    return y
+
+
 def expand(w: PackedWeight) -> torch.Tensor:
     """The whole weight as fp32 [N, K] (native when built; bit-identical either way)."""
     native = load_packed_kernels() if w.data.device.type == "cpu" else None

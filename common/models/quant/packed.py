@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -135,6 +136,29 @@ class PackedWeight:
         device; bit-identical to gguf-py's dequantize."""
         data = self.data if rows is None else self.data[rows]
         return expand_blocks(data, self.qtype, self.in_features)
+
+
+@runtime_checkable
+class HoldsPacked(Protocol):
+    """A module that keeps GGUF blocks (the packed linears, the packed embedding): what the
+    memory plan counts."""
+
+    @property
+    def packed_parts(self) -> tuple[PackedWeight, ...]:
+        """Its packed weights, () when it holds none."""
+
+
+def stack_runs(parts: list[PackedWeight]) -> tuple[PackedWeight, ...]:
+    """Fused projections' packed shards, in output order -> one weight per run of consecutive
+    shards that share qtype and in_features (rows stacked): one part for a uniform layer,
+    several for a Q4_K_M q/k/v whose v is Q6_K."""
+    runs: list[list[PackedWeight]] = []
+    for p in parts:
+        if runs and (runs[-1][0].qtype, runs[-1][0].in_features) == (p.qtype, p.in_features):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return tuple(r[0] if len(r) == 1 else PackedWeight.cat(r) for r in runs)
 
 
 def expand_blocks(data: torch.Tensor, qtype: QType, in_features: int) -> torch.Tensor:
