@@ -131,16 +131,23 @@ class DecoderLayer(nn.Module):
 
     def as_native_layer(self) -> Optional[PackedLayer]:
         """This layer as native calls (packed_layer.py) when all four linears kept their GGUF
-        blocks (one rank: tp_size 1 keeps them packed) and the norms are fp32; else None."""
+        blocks (one rank: tp_size 1 keeps them packed), each in one type but qkv, which may
+        be two (its tail: a Q4_K_M file's v), and the norms are fp32; else None."""
         attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if (any(m.packed_weight is None for m in linears)
+        qkv = attn.qkv_proj.packed_parts
+        linears = (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if (len(qkv) not in (1, 2) or any(m.packed_weight is None for m in linears)
                 or self.input_layernorm.weight.dtype != torch.float32):
             return None
+        bias, n = attn.qkv_proj.bias, qkv[0].out_features
+        head = PackedLinear.of(qkv[0], None if bias is None else bias[:n])
+        tail = (PackedLinear.of(qkv[1], None if bias is None else bias[n:])
+                if len(qkv) == 2 else None)
         pl = [PackedLinear.of(m.packed_weight, m.bias) for m in linears]
         return PackedLayer(self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                           self.input_layernorm.eps, *pl, num_heads=attn.num_heads,
-                           q_size=attn.num_heads * attn.head_dim, scale=attn.scale)
+                           self.input_layernorm.eps, head, *pl, num_heads=attn.num_heads,
+                           q_size=attn.num_heads * attn.head_dim, scale=attn.scale,
+                           qkv_tail=tail)
 
 
 # HF parameter name fragment -> (our fused parameter, shard id)

@@ -100,6 +100,9 @@ class PackedLayer:
     num_heads: int  # H (this rank's query heads)
     q_size: int  # H d
     scale: float  # attention softmax scale
+    # qkv's last rows when they are another GGUF type than its first (a Q4_K_M file's Q6_K v
+    # beside Q4_K q and k): [tail rows, hidden]; qkv then holds the rows before them
+    qkv_tail: Optional[PackedLinear] = None
 
     def __post_init__(self):
         if self.ln1.shape != self.ln2.shape or self.ln1.dim() != 1:
@@ -125,10 +128,9 @@ class PackedLayer:
         if step is not None:
             return self._decode(gemm, step, x, kv_cache)
         t = x.shape[0]
-        qkv = self.qkv
         h = rms_norm(x, self.ln1, self.eps)
-        a = attend(gemm.packed_gemm(h, qkv.data, qkv.qtype, qkv.bias, None), kv_cache,
-                   self.scale, self.num_heads).view(t, self.q_size)  # [T, H d]
+        a = attend(self._qkv(gemm, h), kv_cache, self.scale,
+                   self.num_heads).view(t, self.q_size)  # [T, H d]
         if keep is not None:
             a, x = a[keep], x[keep]
             if keep.numel() == 0:
@@ -139,11 +141,20 @@ class PackedLayer:
         g = gemm.packed_gemm_silu_mul(h, gu.data, gu.qtype, gu.bias)  # [T, I]
         return gemm.packed_gemm(g, down.data, down.qtype, down.bias, x)
 
+    def _qkv(self, gemm, h: torch.Tensor) -> torch.Tensor:
+        """h [T, hidden] -> [T, (H + 2 kvh) d]: one packed GEMM, or one per part side by side
+        (what quant/gemm.py's packed_linear_parts computes on the module path)."""
+        qkv, tail = self.qkv, self.qkv_tail
+        y = gemm.packed_gemm(h, qkv.data, qkv.qtype, qkv.bias, None)
+        if tail is None:
+            return y
+        return torch.cat([y, gemm.packed_gemm(h, tail.data, tail.qtype, tail.bias, None)], 1)
+
     def _decode(self, gemm, step: DecodeStep, x: torch.Tensor,
                 kv_cache: torch.Tensor) -> torch.Tensor:
-        qkv, o, gu, down = self.qkv, self.o, self.gate_up, self.down
+        qkv, o, gu, down, tail = self.qkv, self.o, self.gate_up, self.down, self.qkv_tail
         return gemm.packed_decode_layer(
             x, self.ln1, self.ln2, self.eps, qkv.data, qkv.qtype, qkv.bias, o.data, o.qtype,
             o.bias, gu.data, gu.qtype, gu.bias, down.data, down.qtype, down.bias, step.cos,
             step.sin, kv_cache, step.slot_mapping, step.block_tables, step.seq_lens, self.scale,
-            self.num_heads)
+            self.num_heads, *(() if tail is None else (tail.data, tail.qtype, tail.bias)))

@@ -34,6 +34,11 @@ class PackedStack:
     biases: tuple[Optional[torch.Tensor], ...]  # [4 L], likewise
     num_heads: int
     scale: float
+    # each layer's qkv tail (PackedLayer.qkv_tail) as the kernel takes it: bytes, type and
+    # bias per layer (None, 0, None where a layer has none); all () when no layer has one
+    tails: tuple[Optional[torch.Tensor], ...] = ()
+    tail_qtypes: tuple[int, ...] = ()
+    tail_biases: tuple[Optional[torch.Tensor], ...] = ()
 
     def __post_init__(self):
         n = len(self.ln1)
@@ -42,6 +47,9 @@ class PackedStack:
             raise ValueError(f"a stack needs one entry per layer in every list ({n} layers)")
         if len(self.qtypes) != 4 * n or len(self.biases) != 4 * n:
             raise ValueError(f"qtypes and biases need four entries per layer ({4 * n})")
+        if {len(self.tails), len(self.tail_qtypes), len(self.tail_biases)} - {0, n} or len(
+                {len(self.tails), len(self.tail_qtypes), len(self.tail_biases)}) != 1:
+            raise ValueError(f"qkv tails: one entry per layer ({n}) in each list, or none")
 
     @classmethod
     def of(cls, layers: Sequence[PackedLayer]) -> Optional["PackedStack"]:
@@ -52,11 +60,17 @@ class PackedStack:
                for p in layers):
             return None
         linears = [(p.qkv, p.o, p.gate_up, p.down) for p in layers]
+        tails = [p.qkv_tail for p in layers]
+        if all(t is None for t in tails):
+            tails = []
         return cls(tuple(p.ln1 for p in layers), tuple(p.ln2 for p in layers), first.eps,
                    *(tuple(ls[j].data for ls in linears) for j in range(4)),
                    qtypes=tuple(m.qtype for ls in linears for m in ls),
                    biases=tuple(m.bias for ls in linears for m in ls),
-                   num_heads=first.num_heads, scale=first.scale)
+                   num_heads=first.num_heads, scale=first.scale,
+                   tails=tuple(None if t is None else t.data for t in tails),
+                   tail_qtypes=tuple(0 if t is None else t.qtype for t in tails),
+                   tail_biases=tuple(None if t is None else t.bias for t in tails))
 
     def forward(self, gemm, x: torch.Tensor, kv_caches: Sequence[torch.Tensor],
                 step: DecodeStep) -> torch.Tensor:
@@ -65,4 +79,5 @@ class PackedStack:
         return gemm.packed_decode_layers(
             x, self.ln1, self.ln2, self.eps, self.qkv, self.o, self.gate_up, self.down,
             self.qtypes, self.biases, step.cos, step.sin, kv_caches, step.slot_mapping,
-            step.block_tables, step.seq_lens, self.scale, self.num_heads)
+            step.block_tables, step.seq_lens, self.scale, self.num_heads, self.tails,
+            self.tail_qtypes, self.tail_biases)

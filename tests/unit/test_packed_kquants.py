@@ -152,6 +152,9 @@ def test_kquant_gguf_loads_packed_and_decodes_like_fp32(tmp_path, tied):
     qkv0 = layer0.self_attn.qkv_proj  # Q4_K q/k with a Q6_K v, as a Q4_K_M file: two parts
     assert qkv0.weight is None and [p.qtype for p in qkv0.packed_parts] == [QType.Q4_K,
                                                                             QType.Q6_K]
+    # small steps still run every layer natively, layer 0's v as its qkv's tail
+    assert model._packed_stack is not None
+    assert model._packed_layers[0].qkv_tail.qtype == int(QType.Q6_K)
     assert isinstance(model.embed_tokens, PackedEmbedding)
     assert model.embed_tokens.packed_weight.qtype == QType.Q6_K
     head = model.lm_head.packed_weight

@@ -4,6 +4,8 @@ order: equal logprobs, not just close), and greedy tokens equal to the fp32 weig
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -18,8 +20,9 @@ from pdserve.tests.unit.packed_helpers import (assert_same_greedy, engine,
 H, HEADS, KV_HEADS, INTER, VOCAB = 64, 4, 2, 96, 320
 
 
-def write_gguf(path) -> None:
-    """Layer 0 in Q4_0, layer 1 in Q4_1 (both whole layers packed), the embedding in Q8_0."""
+def write_gguf(path, v_tail: bool = False) -> None:
+    """Layer 0 in Q4_0, layer 1 in Q4_1 (both whole layers packed), the embedding in Q8_0.
+    `v_tail`: layer 0's v in Q8_0, so its qkv is two parts (a Q4_0 head, a Q8_0 tail)."""
     rng = np.random.default_rng(1)
 
     def encode(hf_name, shape, heads):
@@ -28,6 +31,8 @@ def write_gguf(path) -> None:
             values = values.reshape(heads, 2, shape[0] // heads // 2, shape[1]).swapaxes(
                 1, 2).reshape(shape)
         qt = QT.Q4_0 if "layers.0." in hf_name else QT.Q4_1 if "layers." in hf_name else QT.Q8_0
+        if v_tail and hf_name.endswith("layers.0.self_attn.v_proj.weight"):
+            qt = QT.Q8_0
         return gguf.quants.quantize(values, qt), qt
 
     write_tiny_llama_gguf(path, (H, HEADS, KV_HEADS, INTER, VOCAB), True, encode)
@@ -45,12 +50,16 @@ def assert_equals_module_path(ours, prompts, params, fast) -> None:
         assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
 
 
-def test_packed_layers_equal_the_module_path_and_fp32(tmp_path):
-    write_gguf(tmp_path / "m.gguf")
+@pytest.mark.parametrize("v_tail", [False, True], ids=["uniform", "v-tail"])
+def test_packed_layers_equal_the_module_path_and_fp32(tmp_path, v_tail):
+    write_gguf(tmp_path / "m.gguf", v_tail)
     ours = engine(tmp_path / "m.gguf", True)
     model = ours.engine.model
     assert model._packed_layers is not None and len(model._packed_layers) == 2
     assert all(isinstance(p, PackedLayer) for p in model._packed_layers)
+    tail = model._packed_layers[0].qkv_tail
+    assert (tail is not None and tail.data.shape[0] == KV_HEADS * H // HEADS) == v_tail
+    assert model._packed_layers[1].qkv_tail is None
     model._packed_stack = None  # decode steps layer by layer too (test_packed_stack.py)
     calls = []
     layer = model._packed_layers[0]
@@ -77,11 +86,13 @@ def test_packed_layer_rejects_inconsistent_shapes(tmp_path):
                     scale=layer.scale)
 
 
+@pytest.mark.parametrize("v_tail", [False, True], ids=["uniform", "v-tail"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_one_call_layer_equals_the_module_path(tmp_path, batch):
+def test_one_call_layer_equals_the_module_path(tmp_path, batch, v_tail):
     """Steps of 1 or 3 decodes run each layer as one native call (packed_decode_layer), with
-    logprobs equal to the module path's, over contexts that cross cache blocks."""
-    write_gguf(tmp_path / "m.gguf")
+    logprobs equal to the module path's, over contexts that cross cache blocks; with a qkv
+    tail the kernel writes each part's columns as the module path's part-by-part GEMMs."""
+    write_gguf(tmp_path / "m.gguf", v_tail)
     ours = engine(tmp_path / "m.gguf", True)
     model = ours.engine.model
     model._packed_stack = None  # one call per layer, not the whole stack (test_packed_stack.py)
@@ -134,3 +145,22 @@ def test_one_call_layer_rejects_bad_metadata(tmp_path):
                       DecodeStep(cos.expand(4, d).contiguous(), cos.expand(4, d).contiguous(),
                                  torch.tensor([2, 3, 4, 5]), tables.expand(4, 2).contiguous(),
                                  lens.expand(4).contiguous()))
+
+
+def test_one_call_layer_rejects_a_bad_qkv_tail(tmp_path):
+    write_gguf(tmp_path / "m.gguf", v_tail=True)
+    model = engine(tmp_path / "m.gguf", True).engine.model
+    layer, gemm = model._packed_layers[0], model._packed_gemm
+    d = H // HEADS
+    cache = torch.zeros(2, 4, 16, KV_HEADS, d)
+    step = DecodeStep(torch.ones(1, d), torch.ones(1, d), torch.tensor([2]),
+                      torch.zeros(1, 2, dtype=torch.int32), torch.tensor([3], dtype=torch.int32))
+    x = torch.randn(1, H)
+    assert torch.isfinite(layer.forward(gemm, None, None, x, cache, step)).all()
+    tail = layer.qkv_tail
+    short = dataclasses.replace(tail, data=tail.data[:-1])  # head and tail miss a row
+    with pytest.raises(ValueError, match="qkv: weight must have"):
+        dataclasses.replace(layer, qkv_tail=short).forward(gemm, None, None, x, cache, step)
+    whole = dataclasses.replace(tail, data=torch.cat([layer.qkv.data] * 2))  # no head rows left
+    with pytest.raises(ValueError, match="qkv tail must have"):
+        dataclasses.replace(layer, qkv_tail=whole).forward(gemm, None, None, x, cache, step)

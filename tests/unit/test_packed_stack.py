@@ -19,8 +19,8 @@ from pdserve.tests.unit.test_packed_layer import (H, HEADS, KV_HEADS, VOCAB,
 D = H // HEADS
 
 
-def packed_model(tmp_path):
-    write_gguf(tmp_path / "m.gguf")
+def packed_model(tmp_path, v_tail: bool = False):
+    write_gguf(tmp_path / "m.gguf", v_tail)
     ours = engine(tmp_path / "m.gguf", True)
     return ours, ours.engine.model
 
@@ -36,12 +36,14 @@ def decode_step(batch: int, blocks: int = 4) -> DecodeStep:
     return DecodeStep(cos, sin, slots, tables, lens)
 
 
+@pytest.mark.parametrize("v_tail", [False, True], ids=["uniform", "v-tail"])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_stack_is_bit_identical_to_one_call_per_layer(tmp_path, batch, kv_dtype):
-    _, model = packed_model(tmp_path)
+def test_stack_is_bit_identical_to_one_call_per_layer(tmp_path, batch, kv_dtype, v_tail):
+    _, model = packed_model(tmp_path, v_tail)
     gemm, stack = model._packed_gemm, model._packed_stack
     assert stack is not None and len(stack.ln1) == 2
+    assert len(stack.tails) == (2 if v_tail else 0)  # layer 0's tail, None for layer 1
     g = torch.Generator().manual_seed(7)
     x = torch.randn(batch, H, generator=g)
     caches = [torch.randn(2, 4 * batch, 16, KV_HEADS, D, generator=g).to(kv_dtype)
@@ -110,6 +112,21 @@ def test_stack_rejects_inconsistent_inputs(tmp_path):
         PackedStack(stack.ln1, stack.ln2, stack.eps, wrong_k, stack.o, stack.gate_up,
                     stack.down, stack.qtypes, stack.biases, stack.num_heads,
                     stack.scale).forward(gemm, x, [cache, cache], step)
+
+
+
+def test_stack_rejects_inconsistent_qkv_tails(tmp_path):
+    _, model = packed_model(tmp_path, v_tail=True)
+    gemm, stack = model._packed_gemm, model._packed_stack
+    with pytest.raises(ValueError, match="qkv tails"):
+        dataclasses.replace(stack, tails=stack.tails[:1])
+    with pytest.raises(ValueError, match="qkv tails"):
+        dataclasses.replace(stack, tails=(), tail_qtypes=(), tail_biases=stack.tail_biases)
+    # the kernel checks the head's rows against the tail's: layer 0 without its tail is short
+    no_tail = dataclasses.replace(stack, tails=(None, None))
+    with pytest.raises(ValueError, match="qkv: weight must have"):
+        no_tail.forward(gemm, torch.randn(1, H), [torch.zeros(2, 4, 16, KV_HEADS, D)] * 2,
+                        decode_step(1))
 
 
 def test_stack_only_for_layers_of_one_eps_heads_and_scale(tmp_path):

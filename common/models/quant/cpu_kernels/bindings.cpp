@@ -28,14 +28,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("o_qtype"), py::arg("o_bias"), py::arg("gate_up"), py::arg("gate_up_qtype"),
         py::arg("gate_up_bias"), py::arg("down"), py::arg("down_qtype"), py::arg("down_bias"),
         py::arg("cos"), py::arg("sin"), py::arg("kv_cache"), py::arg("slot_mapping"),
-        py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("num_heads"));
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("num_heads"),
+        py::arg("qkv_tail") = py::none(), py::arg("qkv_tail_qtype") = 0,
+        py::arg("qkv_tail_bias") = py::none());
   m.def("packed_decode_layers", &packed_decode_layers,
         "A stack of packed decoder layers for T < 4 decode tokens in one parallel region",
         release(), py::arg("x"), py::arg("ln1"), py::arg("ln2"), py::arg("eps"),
         py::arg("qkv_w"), py::arg("o_w"), py::arg("gate_up_w"), py::arg("down_w"),
         py::arg("qtypes"), py::arg("biases"), py::arg("cos"), py::arg("sin"),
         py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("block_tables"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("num_heads"));
+        py::arg("seq_lens"), py::arg("scale"), py::arg("num_heads"),
+        py::arg("qkv_tails") = std::vector<c10::optional<at::Tensor>>{},
+        py::arg("qkv_tail_qtypes") = std::vector<int64_t>{},
+        py::arg("qkv_tail_biases") = std::vector<c10::optional<at::Tensor>>{});
   m.attr("fused_rows") = packed_fused_rows();  // packed_decode_layer takes fewer tokens than this
   m.attr("simd") = packed_simd();
 }

@@ -51,10 +51,11 @@ Linear linear(const char* what, const at::Tensor& w, int64_t qtype,
   return Linear{w.data_ptr<uint8_t>(), w.size(1), qtype, N, b};
 }
 
-// x [M, K] (row stride sx) @ l^T (+ residual [M, N], row stride sr) -> out [M, N]
+// x [M, K] (row stride sx) @ l^T (+ residual [M, N], row stride sr) -> out [M, N], row
+// stride so (default N)
 Gemm gemm_of(const Linear& l, const float* x, int64_t sx, int64_t M, int64_t K,
-             const float* res, int64_t sr, float* out) {
-  return Gemm{x, sx, M, K, l.w, l.row_bytes, l.bias, res, sr, out, l.N};
+             const float* res, int64_t sr, float* out, int64_t so = 0) {
+  return Gemm{x, sx, M, K, l.w, l.row_bytes, l.bias, res, sr, out, l.N, so ? so : l.N};
 }
 
 // Output columns [N * i / n, N * (i + 1) / n) of g: thread i of n's share, by the kernel
@@ -64,12 +65,27 @@ void columns_share(const Gemm& g, int64_t qtype, int64_t n0, int64_t n1) {
 }
 inline int64_t split(int64_t n, int i, int parts) { return n * i / parts; }
 
+// Columns [c0, c1) of the qkv GEMM h [T, hidden] -> qkv [T, nqkv], whose weight is one
+// packed linear, or two when q/k and v differ in type (a Q4_K_M file's Q6_K v): the head's
+// rows [0, head.N), the tail's after them. Each column is the one part's own product, as
+// the module path's part-by-part GEMMs compute it.
+void qkv_share(const Linear& head, const Linear& tail, const float* h, int64_t T,
+               int64_t hidden, float* qkv, int64_t c0, int64_t c1) {
+  const int64_t na = head.N, nqkv = na + tail.N;
+  columns_share(gemm_of(head, h, hidden, T, hidden, nullptr, 0, qkv, nqkv), head.qtype, c0,
+                std::min(c1, na));
+  if (tail.N)
+    columns_share(gemm_of(tail, h, hidden, T, hidden, nullptr, 0, qkv + na, nqkv), tail.qtype,
+                  std::max(c0, na) - na, c1 - na);
+}
+
 struct Layer {
   const float* x;  // [T, hidden], row stride sx
   int64_t sx, T, hidden, heads, kvh, d, inter;
   const float *ln1, *ln2;
   float eps;
   Linear qkv, o, gate_up, down;
+  Linear qkv_tail;  // qkv's last rows when they differ in type (N == 0: none)
   const float *cos, *sin;  // [T, d]
   const int64_t* slots;    // [T]
   float* buf;  // h [nt, T, hidden] | qkv [T, (H + 2 kvh) d] | q, attn [T, H d] | x1 [T, hidden]
@@ -153,8 +169,7 @@ void layer_phases(const Layer& L, const DecodeProblem<T>& att, T* kc, T* vc,
     float* h = hbuf + i * Tn * hid;
     // RMSNorm on every thread (a few hundred floats): no barrier before the qkv GEMM
     for (int64_t r = 0; r < Tn; ++r) rms_row(L.x + r * L.sx, L.ln1, L.eps, hid, h + r * hid);
-    columns_share(gemm_of(L.qkv, h, hid, Tn, hid, nullptr, 0, qkv), L.qkv.qtype,
-                  split(nqkv, i, n), split(nqkv, i + 1, n));
+    qkv_share(L.qkv, L.qkv_tail, h, Tn, hid, qkv, split(nqkv, i, n), split(nqkv, i + 1, n));
 #pragma omp barrier
     const float* o_in = attn;  // the o GEMM's input rows [T, H d]
     if (Tn == 1) {
@@ -245,11 +260,18 @@ struct LinearArg {
   const c10::optional<at::Tensor>& bias;
 };
 
-// One layer's weights, checked against the step's shape by layer_of.
+// One layer's weights, checked against the step's shape by layer_of. qkv_tail: qkv's last
+// rows in another type, or none (w undefined).
 struct Weights {
   const at::Tensor &ln1, &ln2;
-  LinearArg qkv, o, gate_up, down;
+  LinearArg qkv, o, gate_up, down, qkv_tail;
 };
+
+// A layer's optional qkv tail (weight, type, bias) from the callers' optional arguments
+const at::Tensor& tail_weight(const c10::optional<at::Tensor>& w) {
+  static const at::Tensor none;
+  return w.has_value() ? *w : none;
+}
 
 int64_t inter_of(const char* fn, const at::Tensor& gu_w) {
   TORCH_CHECK_VALUE(gu_w.dim() == 2 && gu_w.size(0) % 2 == 0, fn,
@@ -268,13 +290,20 @@ Layer layer_of(const char* fn, const Step& s, const Weights& w, double eps, cons
   auto lin = [&](const char* what, const LinearArg& a, int64_t K, int64_t N) {
     return linear(what, a.w, a.qtype, a.bias, K, N);
   };
+  Linear tail{nullptr, 0, 0, 0, nullptr};
+  if (w.qkv_tail.w.defined()) {
+    const at::Tensor& t = w.qkv_tail.w;
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) >= 1 && t.size(0) < s.nqkv, fn,
+                      ": the qkv tail must have 1 to ", s.nqkv - 1, " rows, got ", t.sizes());
+    tail = lin("packed_decode_layer qkv tail", w.qkv_tail, s.hidden, t.size(0));
+  }
   return Layer{x, sx, s.T, s.hidden, s.heads, s.kvh, s.d, inter,
                w.ln1.data_ptr<float>(), w.ln2.data_ptr<float>(), static_cast<float>(eps),
-               lin("packed_decode_layer qkv", w.qkv, s.hidden, s.nqkv),
+               lin("packed_decode_layer qkv", w.qkv, s.hidden, s.nqkv - tail.N),
                lin("packed_decode_layer o", w.o, s.q_size, s.hidden),
                lin("packed_decode_layer gate_up", w.gate_up, s.hidden, 2 * inter),
                lin("packed_decode_layer down", w.down, inter, s.hidden),
-               s.cos, s.sin, s.slots, buf, out};
+               tail, s.cos, s.sin, s.slots, buf, out};
 }
 
 // Floats of Layer.buf for nt threads (see Layer)
@@ -315,7 +344,8 @@ at::Tensor packed_decode_layer(
     const at::Tensor& down_w, int64_t down_qt, const c10::optional<at::Tensor>& down_b,
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    double scale, int64_t num_heads) {
+    double scale, int64_t num_heads, const c10::optional<at::Tensor>& tail_w, int64_t tail_qt,
+    const c10::optional<at::Tensor>& tail_b) {
   const char* fn = "packed_decode_layer";
   const Step s = check_step(fn, x, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens,
                             num_heads);
@@ -324,7 +354,7 @@ at::Tensor packed_decode_layer(
   at::Tensor out = x.new_empty({s.T, s.hidden});
   float* bp = buf.data_ptr<float>();
   const Weights w{ln1, ln2, {qkv_w, qkv_qt, qkv_b}, {o_w, o_qt, o_b}, {gu_w, gu_qt, gu_b},
-                  {down_w, down_qt, down_b}};
+                  {down_w, down_qt, down_b}, {tail_weight(tail_w), tail_qt, tail_b}};
   const Layer L = layer_of(fn, s, w, eps, x.data_ptr<float>(), x.stride(0), bp,
                            out.data_ptr<float>());
   const int64_t tile_blocks = std::max<int64_t>(1, 64 / s.bs);  // as paged_decode
@@ -340,6 +370,7 @@ at::Tensor packed_decode_layer(
 // A stack of packed layers (one per entry of every list, in order) for the same decode step as
 // packed_decode_layer, in ONE call and ONE parallel region: each layer's phases as there, a
 // barrier between layers. qtypes [L, 4]: the qkv, o, gate_up and down types of each layer.
+// tail_w, tail_qtypes, tail_biases: empty, or one entry per layer (its qkv tail or none).
 // kv_caches: one per layer, all of one shape and dtype. Bit-identical to calling
 // packed_decode_layer layer by layer (the same phases on the same buffers' values).
 at::Tensor packed_decode_layers(
@@ -349,9 +380,16 @@ at::Tensor packed_decode_layers(
     const std::vector<int64_t>& qtypes, const std::vector<c10::optional<at::Tensor>>& biases,
     const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& kv_caches,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    double scale, int64_t num_heads) {
+    double scale, int64_t num_heads, const std::vector<c10::optional<at::Tensor>>& tail_w,
+    const std::vector<int64_t>& tail_qtypes,
+    const std::vector<c10::optional<at::Tensor>>& tail_biases) {
   const char* fn = "packed_decode_layers";
   const size_t n_layers = ln1.size();
+  const bool tails = !tail_w.empty();
+  TORCH_CHECK_VALUE(!tails || (tail_w.size() == n_layers && tail_qtypes.size() == n_layers &&
+                               tail_biases.size() == n_layers),
+                    fn, ": the qkv tails need one entry per layer (", n_layers, ") or none");
+  const c10::optional<at::Tensor> no_tensor;
   TORCH_CHECK_VALUE(n_layers >= 1 && ln2.size() == n_layers && qkv_w.size() == n_layers &&
                         o_w.size() == n_layers && gu_w.size() == n_layers &&
                         down_w.size() == n_layers && kv_caches.size() == n_layers &&
@@ -376,7 +414,9 @@ at::Tensor packed_decode_layers(
     const Weights w{ln1[l], ln2[l], {qkv_w[l], qtypes[j], biases[j]},
                     {o_w[l], qtypes[j + 1], biases[j + 1]},
                     {gu_w[l], qtypes[j + 2], biases[j + 2]},
-                    {down_w[l], qtypes[j + 3], biases[j + 3]}};
+                    {down_w[l], qtypes[j + 3], biases[j + 3]},
+                    {tail_weight(tails ? tail_w[l] : no_tensor), tails ? tail_qtypes[l] : 0,
+                     tails ? tail_biases[l] : no_tensor}};
     const float* in = l == 0 ? x.data_ptr<float>() : layers.back().out;
     const int64_t sx = l == 0 ? x.stride(0) : s.hidden;
     layers.push_back(layer_of(fn, s, w, eps, in, sx, bp, outs[l % 2].data_ptr<float>()));

@@ -33,7 +33,8 @@ at::Tensor packed_decode_layer(
     const at::Tensor& down_w, int64_t down_qt, const c10::optional<at::Tensor>& down_b,
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    double scale, int64_t num_heads);
+    double scale, int64_t num_heads, const c10::optional<at::Tensor>& tail_w, int64_t tail_qt,
+    const c10::optional<at::Tensor>& tail_b);
 // fused_layer.cpp: a stack of such layers in one call
 at::Tensor packed_decode_layers(
     const at::Tensor& x, const std::vector<at::Tensor>& ln1, const std::vector<at::Tensor>& ln2,
@@ -42,4 +43,6 @@ at::Tensor packed_decode_layers(
     const std::vector<int64_t>& qtypes, const std::vector<c10::optional<at::Tensor>>& biases,
     const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& kv_caches,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    double scale, int64_t num_heads);
+    double scale, int64_t num_heads, const std::vector<c10::optional<at::Tensor>>& tail_w,
+    const std::vector<int64_t>& tail_qtypes,
+    const std::vector<c10::optional<at::Tensor>>& tail_biases);

@@ -342,13 +342,14 @@ struct Gemm {
   const float* bias;  // [N] or null
   const float* res;   // [M, N] (row stride sr) or null
   int64_t sr;
-  float* out;  // [M, N] contiguous
+  float* out;  // [M, N], row stride so
   int64_t N;
+  int64_t so;  // N, or wider when the product is some columns of a larger output
 
   inline void store(int64_t m, int64_t n, float s) const {
     if (bias) s += bias[n];
     if (res) s += res[m * sr + n];
-    out[m * N + n] = s;
+    out[m * so + n] = s;
   }
 };
 
@@ -719,7 +720,7 @@ Gemm prepare(const char* what, const at::Tensor& x, const at::Tensor& w, int64_t
   const int64_t M = x.size(0), K = x.size(1), N = w.dim() == 2 ? w.size(0) : -1;
   check_weight(what, w, qtype, K);
   Gemm g{x.data_ptr<float>(), x.stride(0), M, K, w.data_ptr<uint8_t>(), w.size(1),
-         nullptr, nullptr, 0, nullptr, N};
+         nullptr, nullptr, 0, nullptr, N, N};
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                           bias->device().is_cpu() && bias->numel() == N,
