@@ -107,7 +107,7 @@ class EngineCore:
             stage0 = pipeline_stage(cfg.num_layers, 0, config.parallel.pipeline_parallel_size)
             per_token = per_token * kv_head_range(cfg.num_kv_heads, 0, tp_size)[1] \
                 * stage0.num_layers // (cfg.num_kv_heads * cfg.num_layers)
-        self.weights_footprint = loaded_weights_footprint(loaded.weights, tp_size == 1)
+        self.weights_footprint = loaded_weights_footprint(loaded.weights, tp_size)
         model, self.peak = None, None
         if world == 1:
             model = build_rank_model(config, cfg, loaded.weights, SINGLE,

@@ -20,9 +20,10 @@ shard's blocks, `finish_loading` stacks them into `packed_parts` and drops the f
 and forward multiplies through quant/gemm.py (blocks expanded to fp32 in registers, fp32
 accumulation). A fused layer whose shards differ in type (a Q4_K_M file's Q6_K v beside Q4_K
 q and k) keeps one packed part per run of same-typed shards and multiplies each: one GEMM
-per part, their outputs side by side. A layer whose shards cannot all stay packed (some
-shards fp32, tp_size > 1) expands the packed ones into its fp32 weight instead, so it always
-loads.
+per part, their outputs side by side. With tp_size > 1 each rank keeps its own rows of every
+shard (column-parallel) or its own blocks of input features (row-parallel, where the split
+falls on block boundaries: `keeps_packed`). A fused layer whose shards cannot all stay packed
+(some shards fp32) expands the packed ones into its fp32 weight instead, so it always loads.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def even_shard(size: int, tp_rank: int, tp_size: int, what: str) -> tuple[int, i
     return tp_rank * n, n
 
 
-class _PackedLoading:
+class PackedLoading:
     """Mixin: collect GGUF-packed shards while loading; stack them or expand them after.
 
     Subclasses name their shard ids (`packed_shard_ids`) and provide `weight_loader`."""
@@ -66,14 +67,27 @@ class _PackedLoading:
         self.blocked_weights: BlockedWeights | None = None  # use_blocked_weights sets it
         self._pending: dict = {}
 
+    def keeps_packed(self, w: PackedWeight) -> bool:
+        """Whether this rank can hold its part of `w` packed (column-parallel layers: always;
+        row-parallel ones override it)."""
+        return True
+
+    def rank_part(self, w: PackedWeight, shard_id=None) -> PackedWeight:
+        """This rank's part of shard `shard_id` (full, unsharded) as packed blocks."""
+        raise NotImplementedError
+
     def load_packed(self, w: PackedWeight, shard_id=None) -> None:
-        """Take shard `shard_id` of this layer as packed blocks (full, unsharded rows)."""
+        """Take shard `shard_id` of this layer as packed blocks (full, unsharded rows; with
+        tp_size > 1 this rank keeps its part)."""
         if shard_id not in self.packed_shard_ids:
             raise ValueError(f"unknown shard {shard_id!r}")
         if w.shape != self.full_shape(shard_id):
             raise ValueError(f"packed shard {shard_id!r} has shape {w.shape}, expected "
                              f"{self.full_shape(shard_id)}")
-        self._pending[shard_id] = w
+        if not self.keeps_packed(w):
+            raise ValueError(f"{type(self).__name__} cannot split {w.qtype.name} blocks over "
+                             f"{self.tp_size} ranks")
+        self._pending[shard_id] = w if self.tp_size == 1 else self.rank_part(w, shard_id)
 
     @property
     def packed_weight(self) -> PackedWeight | None:
@@ -86,14 +100,14 @@ class _PackedLoading:
         return super()._apply(fn, recurse)
 
     def finish_loading(self) -> None:
-        """After every weight is loaded: if all shards came packed (and tp_size == 1), the
-        packed parts (consecutive shards of one type stacked into one); else the packed shards
-        expanded into the fp32 weight."""
+        """After every weight is loaded: if all shards came packed, the packed parts
+        (consecutive shards of one type stacked into one); else the packed shards expanded into
+        the fp32 weight."""
         pending, self._pending = self._pending, {}
         if not pending:
             return
         parts = [pending.get(s) for s in self.packed_shard_ids]
-        if self.tp_size == 1 and all(p is not None for p in parts):
+        if all(p is not None for p in parts):
             self.packed_parts = stack_runs(parts)
             rows = sum(p.out_features for p in self.packed_parts)
             if (rows, parts[0].in_features) != tuple(self.weight.shape):
@@ -105,13 +119,17 @@ class _PackedLoading:
                             len(self.packed_parts),
                             ", ".join(p.qtype.name for p in self.packed_parts))
             return
-        logger.info("%s: shards %s expanded to fp32 (fp32 shards or tp > 1)",
+        logger.info("%s: shards %s expanded to fp32 (beside fp32 shards)",
                     type(self).__name__, sorted(map(str, pending)))
-        for shard_id, w in pending.items():
-            self.weight_loader(self.weight, w.dequantize(), shard_id)
+        for shard_id, w in pending.items():  # this rank's part, already cut
+            self._load_part(w.dequantize(), shard_id)
+
+    def _load_part(self, part: torch.Tensor, shard_id) -> None:
+        """Copy this rank's fp32 part of shard `shard_id` into the weight."""
+        raise NotImplementedError
 
 
-class ColumnParallelLinear(_PackedLoading, nn.Module):
+class ColumnParallelLinear(PackedLoading, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
@@ -153,6 +171,13 @@ class ColumnParallelLinear(_PackedLoading, nn.Module):
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(self._shard(full))
 
+    def rank_part(self, w: PackedWeight, shard_id=None) -> PackedWeight:
+        n = w.out_features // self.tp_size
+        return w.rows(self.tp_rank * n, n)
+
+    def _load_part(self, part: torch.Tensor, shard_id) -> None:
+        self.weight.data.copy_(part)
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections stacked on the output dim (e.g. gate and up).
@@ -175,6 +200,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         local = sum(n for _, n in self.shards[:shard_id])
         start, n = self.shards[shard_id]
         param.data[local:local + n].copy_(full[start:start + n])
+
+    def rank_part(self, w: PackedWeight, shard_id=None) -> PackedWeight:
+        return w.rows(*self.shards[self.packed_shard_ids.index(shard_id)])
+
+    def _load_part(self, part: torch.Tensor, shard_id) -> None:
+        index = self.packed_shard_ids.index(shard_id)
+        local = sum(n for _, n in self.shards[:index])
+        self.weight.data[local:local + part.shape[0]].copy_(part)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> silu(gate) * up [T, out / 2] for a [gate, up] pair of projections: one
@@ -205,7 +238,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         super().weight_loader(param, full, {"q": 0, "k": 1, "v": 2}[shard_id])
 
 
-class RowParallelLinear(_PackedLoading, nn.Module):
+class RowParallelLinear(PackedLoading, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1, comm=None,
                  in_shard: tuple[int, int] | None = None):
@@ -227,11 +260,12 @@ class RowParallelLinear(_PackedLoading, nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in / tp] -> x W^T (summed over ranks) + bias (+ residual) [T, out]."""
-        if self.packed_weight is not None:  # only ever set with tp_size == 1
-            return quant_linear(x, self.packed_weight, self.bias, residual, self.blocked_weights)
         lead = self.tp_rank == 0  # only one rank's partial sum carries bias and residual
         bias = self.bias if lead else None
-        if self.packed is not None:
+        if self.packed_weight is not None:
+            y = quant_linear(x, self.packed_weight, bias, residual if lead else None,
+                             self.blocked_weights)
+        elif self.packed is not None:
             if lead and residual is not None:
                 y = packed_linear_binary(x, residual, self.packed, bias, "add")
             else:
@@ -258,13 +292,22 @@ class RowParallelLinear(_PackedLoading, nn.Module):
         start, n = self.in_shard
         param.data.copy_(full[:, start:start + n])
 
+    def keeps_packed(self, w: PackedWeight) -> bool:
+        return self.tp_size == 1 or w.splits_at(*self.in_shard)
+
+    def rank_part(self, w: PackedWeight, shard_id=None) -> PackedWeight:
+        return w.columns(*self.in_shard)
+
+    def _load_part(self, part: torch.Tensor, shard_id) -> None:
+        self.weight.data.copy_(part)
+
 
 def use_blocked_weights(model: nn.Module) -> int:
     """Give every CPU layer that kept its GGUF blocks one shared set of oneDNN-layout buffers
     (quant/blocked.py: the largest-M GEMMs expand into them) where the packed kernels build;
     returns how many layers got it."""
     layers = [m for m in model.modules()
-              if isinstance(m, _PackedLoading) and m.packed_parts
+              if isinstance(m, PackedLoading) and m.packed_parts
               and m.packed_parts[0].data.device.type == "cpu"]
     native = load_packed_kernels() if layers else None
     if native is None:

@@ -17,8 +17,8 @@ from pdserve.common.config import ModelConfig
 from pdserve.common.distributed.layout import (SINGLE, WHOLE_MODEL, PipelineStage,
                                               TensorParallel, check_pp_split, check_tp_split,
                                               kv_head_range)
-from pdserve.common.models.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                          RowParallelLinear)
+from pdserve.common.models.linear import (MergedColumnParallelLinear, PackedLoading,
+                                          QKVParallelLinear, RowParallelLinear)
 from pdserve.common.models.packed_layer import DecodeStep, PackedLayer, PackedLinear
 from pdserve.common.models.packed_stack import PackedStack
 from pdserve.common.models.quant.cpu_native import load_packed_kernels
@@ -137,7 +137,8 @@ class DecoderLayer(nn.Module):
         qkv = attn.qkv_proj.packed_parts
         linears = (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if (len(qkv) not in (1, 2) or any(m.packed_weight is None for m in linears)
-                or self.input_layernorm.weight.dtype != torch.float32):
+                or self.input_layernorm.weight.dtype != torch.float32
+                or attn.qkv_proj.tp_size > 1):  # the native calls do not all-reduce
             return None
         bias, n = attn.qkv_proj.bias, qkv[0].out_features
         head = PackedLinear.of(qkv[0], None if bias is None else bias[:n])
@@ -148,6 +149,14 @@ class DecoderLayer(nn.Module):
                            self.input_layernorm.eps, head, *pl, num_heads=attn.num_heads,
                            q_size=attn.num_heads * attn.head_dim, scale=attn.scale,
                            qkv_tail=tail)
+
+
+def packs_under_tp(name: str, w: PackedWeight, module: nn.Module) -> bool:
+    """Whether a tensor-parallel rank keeps its part of weight `name` packed: a linear's
+    (not the embedding's or the LM head's) whose split falls on whole blocks."""
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return False
+    return isinstance(module, PackedLoading) and module.keeps_packed(w)
 
 
 # HF parameter name fragment -> (our fused parameter, shard id)
@@ -328,10 +337,11 @@ class LlamaForCausalLM(nn.Module):
         return name
 
     def _load_packed(self, name: str, module: nn.Module, w: PackedWeight, shard) -> bool:
-        """Keep `w` packed where a module can use it; False: load it as fp32 instead (tensor
-        parallel ranks take fp32 shards: the vocabulary-parallel embedding and head split rows
-        that packed blocks do not)."""
-        if self.tp.size > 1:
+        """Keep `w` packed where a module can use it; False: load it as fp32 instead. Tensor
+        parallel ranks keep their part of the linears packed where it falls on whole blocks
+        (`keeps_packed`); the vocabulary-parallel embedding and head take fp32 shards (they
+        pad the vocabulary, and the embedding masks other ranks' ids)."""
+        if self.tp.size > 1 and not packs_under_tp(name, w, module):
             return False
         if name == "embed_tokens.weight":
             if w.shape != tuple(self.embed_tokens.weight.shape):

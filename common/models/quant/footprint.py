@@ -38,23 +38,34 @@ def weights_footprint(model: nn.Module) -> WeightsFootprint:
     return WeightsFootprint(resident, fp32)
 
 
-def loaded_weights_footprint(weights: dict, packed_stays_packed: bool = True
-                             ) -> WeightsFootprint:
+def loaded_weights_footprint(weights: dict, tp_size: int = 1) -> WeightsFootprint:
     """The same count from the loaded checkpoint, before any model is built (the KV plan comes
-    first: the executor allocates each rank's model and KV caches together). A PackedWeight
-    counts packed when it stays packed (`packed_stays_packed`: false under tensor parallelism,
-    where every shard is expanded)."""
+    first: the executor allocates each rank's model and KV caches together), summed over the
+    tp_size ranks. A PackedWeight counts packed where it stays packed: always with one rank;
+    under tensor parallelism the embedding and LM head are expanded (llama.py's
+    `packs_under_tp`), and so is a row-parallel linear whose input features do not split into
+    whole blocks. That split is checked on every weight here, which over-counts a
+    column-parallel one that would stay packed (a safe error: fewer KV blocks)."""
     seen: set[int] = set()
     resident = fp32 = 0
-    for w in weights.values():
+    for name, w in weights.items():
         data = w.data if isinstance(w, PackedWeight) else w
         key = data.untyped_storage().data_ptr()
         if key in seen:
             continue
         seen.add(key)
         as_fp32 = w.fp32_nbytes if isinstance(w, PackedWeight) else w.numel() * 4
-        packed = isinstance(w, PackedWeight) and packed_stays_packed
+        packed = isinstance(w, PackedWeight) and _stays_packed(name, w, tp_size)
         resident += data.numel() * data.element_size() if packed or not isinstance(
             w, PackedWeight) else as_fp32
         fp32 += as_fp32
     return WeightsFootprint(resident, fp32)
+
+
+def _stays_packed(name: str, w: PackedWeight, tp_size: int) -> bool:
+    if tp_size == 1:
+        return True
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return False
+    n = w.in_features // tp_size
+    return w.in_features % tp_size == 0 and w.splits_at(0, n)

@@ -126,6 +126,31 @@ class PackedWeight:
         return cls(first.qtype, torch.cat([p.data for p in parts]).contiguous(),
                    first.in_features)
 
+    def rows(self, start: int, n: int) -> "PackedWeight":
+        """Output rows [start, start + n) as their own weight (a copy, so the whole one can
+        be freed): a column-parallel rank's shard."""
+        if not 0 <= start <= start + n <= self.out_features or n <= 0:
+            raise ValueError(f"rows [{start}, {start + n}) outside [0, {self.out_features})")
+        return PackedWeight(self.qtype, self.data[start:start + n].clone(), self.in_features)
+
+    def splits_at(self, start: int, n: int) -> bool:
+        """Whether input features [start, start + n) are whole blocks (`columns` can cut
+        them)."""
+        bs = self.qtype.block_size
+        return (n > 0 and start >= 0 and start + n <= self.in_features and start % bs == 0
+                and n % bs == 0)
+
+    def columns(self, start: int, n: int) -> "PackedWeight":
+        """Input features [start, start + n), whole blocks only (a copy): a row-parallel
+        rank's shard."""
+        if not self.splits_at(start, n):
+            raise ValueError(f"input features [{start}, {start + n}) of {self.in_features} are "
+                             f"not whole {self.qtype.name} blocks of {self.qtype.block_size}")
+        bs, bb = self.qtype.block_size, self.qtype.block_bytes
+        blocks = self.data.view(self.out_features, self.in_features // bs, bb)
+        part = blocks[:, start // bs:(start + n) // bs].reshape(self.out_features, -1)
+        return PackedWeight(self.qtype, part.contiguous().clone(), n)
+
     def apply(self, fn) -> "PackedWeight":
         """The same weight with `fn` applied to its bytes (nn.Module._apply: device moves)."""
         data = fn(self.data)

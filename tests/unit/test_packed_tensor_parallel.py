@@ -1,0 +1,62 @@
+"""Packed GGUF weights under tensor parallelism: each rank keeps its rows of the column-parallel
+linears and its blocks of the row-parallel ones packed (a split inside a block, the embedding
+and the LM head take fp32), the memory plan counts that, and greedy tokens with two ranks
+equal one rank's, logprobs up to summation order."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.common.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from pdserve.common.engine.llm import LLM
+from pdserve.common.models.gguf_loader import load_gguf
+from pdserve.common.models.quant.packed import QType
+from pdserve.common.models.registry import LoadedModel, model_fingerprint
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.tokenizer import Tokenizer
+from pdserve.tests.unit.test_packed_model import H, HEADS, INTER, KV_HEADS, write_gguf
+
+PROMPTS = [[3, 17, 42, 99, 5], list(range(30, 70))]
+
+
+def run(path, tp: int):
+    config, weights = load_gguf(path, packed=True)
+    loaded = LoadedModel(config, weights, Tokenizer.tiny(), model_fingerprint(config, weights))
+    llm = LLM(EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=64),
+                           scheduler=SchedulerConfig(max_num_batched_tokens=16),
+                           parallel=ParallelConfig(tensor_parallel_size=tp)), loaded=loaded)
+    return llm
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_tp2_keeps_the_linears_packed_and_decodes_like_tp1(tmp_path, tied):
+    write_gguf(tmp_path / "m.gguf", tied)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    one = run(tmp_path / "m.gguf", 1)
+    try:
+        ref, ref_fp = one.generate(PROMPTS, params), one.engine.weights_footprint
+    finally:
+        one.engine.close()
+    two = run(tmp_path / "m.gguf", 2)
+    try:
+        model = two.engine.model  # rank 0's shard
+        d = H // HEADS
+        layer0, layer1 = model.layers
+        # rank 0: 2 of 4 query heads and 1 of 2 KV heads, as rows of each packed shard
+        qkv0 = layer0.self_attn.qkv_proj.packed_weight
+        assert qkv0.qtype == QType.Q4_0 and qkv0.shape == ((HEADS // 2 + 2) * d, H)
+        assert [(p.qtype, p.out_features) for p in layer1.self_attn.qkv_proj.packed_parts] == [
+            (QType.Q4_1, (HEADS // 2 + KV_HEADS // 2) * d), (QType.Q8_0, KV_HEADS // 2 * d)]
+        assert layer0.mlp.gate_up_proj.packed_weight.shape == (INTER, H)  # half of 2 x INTER
+        assert layer0.self_attn.o_proj.packed_weight.shape == (H, H // 2)  # whole blocks
+        assert layer0.mlp.down_proj.packed_weight is None  # 48 of 96 inputs: inside a block
+        assert model.embed_tokens.weight is not None  # the embedding: an fp32 shard
+        fp = two.engine.weights_footprint
+        assert ref_fp.resident_bytes < fp.resident_bytes < 0.6 * fp.fp32_bytes
+        got = two.generate(PROMPTS, params)
+    finally:
+        two.engine.close()
+    for a, b in zip(got, ref):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
