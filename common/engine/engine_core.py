@@ -53,7 +53,7 @@ from pdserve.common.kv.kv_cache_manager import KVCacheManager
 from pdserve.common.kv.memory import available_memory_bytes, plan_kv_blocks
 from pdserve.common.models.cpu_gemm import resolve_cpu_gemm
 from pdserve.common.models.dtype import resolve_dtype
-from pdserve.common.models.quant.footprint import loaded_weights_footprint
+from pdserve.common.models.quant.footprint import loaded_weights_footprint, weights_footprint
 from pdserve.common.models.registry import LoadedModel, load_model
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.engine.step_profile import StepProfile
@@ -107,11 +107,14 @@ class EngineCore:
             stage0 = pipeline_stage(cfg.num_layers, 0, config.parallel.pipeline_parallel_size)
             per_token = per_token * kv_head_range(cfg.num_kv_heads, 0, tp_size)[1] \
                 * stage0.num_layers // (cfg.num_kv_heads * cfg.num_layers)
+        # the plan's weights: counted on the model where this process builds it (what it
+        # holds: packed parts, oneDNN copies, half dtypes), else estimated from the checkpoint
         self.weights_footprint = loaded_weights_footprint(loaded.weights, tp_size)
         model, self.peak = None, None
         if world == 1:
             model = build_rank_model(config, cfg, loaded.weights, SINGLE,
                                      rank_device(config.device, 0, 1))
+            self.weights_footprint = weights_footprint(model)
             if cc.num_blocks is None and cc.kv_cache_bytes is None:  # planned from memory
                 self.peak = self._profile_peak(model)
         plan = plan_kv_blocks(per_token, cc.block_size,
