@@ -87,7 +87,12 @@ class PackedLoading:
         if not self.keeps_packed(w):
             raise ValueError(f"{type(self).__name__} cannot split {w.qtype.name} blocks over "
                              f"{self.tp_size} ranks")
-        self._pending[shard_id] = w if self.tp_size == 1 else self.rank_part(w, shard_id)
+        self.load_rank_part(w if self.tp_size == 1 else self.rank_part(w, shard_id), shard_id)
+
+    def load_rank_part(self, part: PackedWeight, shard_id=None) -> None:
+        """Take this rank's part of shard `shard_id`, already cut (a tied head shares its
+        embedding's rows)."""
+        self._pending[shard_id] = part
 
     @property
     def packed_weight(self) -> PackedWeight | None:

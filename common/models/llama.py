@@ -16,7 +16,7 @@ from pdserve.common.attention.backend import AttentionBackend, AttentionMetadata
 from pdserve.common.config import ModelConfig
 from pdserve.common.distributed.layout import (SINGLE, WHOLE_MODEL, PipelineStage,
                                               TensorParallel, check_pp_split, check_tp_split,
-                                              kv_head_range)
+                                              kv_head_range, vocab_shard)
 from pdserve.common.models.linear import (MergedColumnParallelLinear, PackedLoading,
                                           QKVParallelLinear, RowParallelLinear)
 from pdserve.common.models.packed_layer import DecodeStep, PackedLayer, PackedLinear
@@ -149,14 +149,6 @@ class DecoderLayer(nn.Module):
                            self.input_layernorm.eps, head, *pl, num_heads=attn.num_heads,
                            q_size=attn.num_heads * attn.head_dim, scale=attn.scale,
                            qkv_tail=tail)
-
-
-def packs_under_tp(name: str, w: PackedWeight, module: nn.Module) -> bool:
-    """Whether a tensor-parallel rank keeps its part of weight `name` packed: a linear's
-    (not the embedding's or the LM head's) whose split falls on whole blocks."""
-    if name in ("embed_tokens.weight", "lm_head.weight"):
-        return False
-    return isinstance(module, PackedLoading) and module.keeps_packed(w)
 
 
 # HF parameter name fragment -> (our fused parameter, shard id)
@@ -338,20 +330,21 @@ class LlamaForCausalLM(nn.Module):
 
     def _load_packed(self, name: str, module: nn.Module, w: PackedWeight, shard) -> bool:
         """Keep `w` packed where a module can use it; False: load it as fp32 instead. Tensor
-        parallel ranks keep their part of the linears packed where it falls on whole blocks
-        (`keeps_packed`); the vocabulary-parallel embedding and head take fp32 shards (they
-        pad the vocabulary, and the embedding masks other ranks' ids)."""
-        if self.tp.size > 1 and not packs_under_tp(name, w, module):
-            return False
+        parallel ranks keep their part packed: their vocabulary rows of the embedding and LM
+        head, their rows or blocks of the linears where a split falls on whole blocks
+        (`keeps_packed`)."""
         if name == "embed_tokens.weight":
-            if w.shape != tuple(self.embed_tokens.weight.shape):
+            if w.in_features != self.embed_tokens.weight.shape[1] or (
+                    w.out_features != self.config.vocab_size):
                 raise ValueError(f"weight {name!r} has shape {w.shape}, expected "
-                                 f"{tuple(self.embed_tokens.weight.shape)}")
-            self.embed_tokens = PackedEmbedding(w)
+                                 f"{(self.config.vocab_size, self.embed_tokens.weight.shape[1])}")
+            rows = vocab_shard(w.out_features, self.tp.size)
+            part = w if self.tp.size == 1 else w.padded_rows(self.tp.rank * rows, rows)
+            self.embed_tokens = PackedEmbedding(part, self.tp, self.tp.rank * rows)
             if self.config.tie_word_embeddings and self.pp.is_last:  # the head: same blocks
-                self.lm_head.load_packed(w)
+                self.lm_head.load_rank_part(part)
             return True
-        if hasattr(module, "load_packed"):
+        if isinstance(module, PackedLoading) and module.keeps_packed(w):
             module.load_packed(w, shard)
             return True
         return False

@@ -9,6 +9,7 @@ from torch import nn
 
 from pdserve.common.distributed.layout import SINGLE, TensorParallel, vocab_shard
 from pdserve.common.models.linear import ColumnParallelLinear
+from pdserve.common.models.quant.packed import PackedWeight
 
 
 def _shard_rows(full: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -53,6 +54,13 @@ class ParallelLMHead(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(_shard_rows(full, self.tp))
+
+    def full_shape(self, shard_id=None) -> tuple[int, int]:
+        return (self.vocab_size, self.weight.shape[1])  # the checkpoint's, unpadded
+
+    def rank_part(self, w: PackedWeight, shard_id=None) -> PackedWeight:
+        s = vocab_shard(self.vocab_size, self.tp.size)
+        return w.padded_rows(self.tp.rank * s, s)
 
     def logits(self, hidden: torch.Tensor):
         """hidden [N, H] -> logits [N, V] on rank 0 (None on the other ranks)."""

@@ -39,7 +39,7 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp's, which the 
         w.shape)
 
 
-def write_gguf(path, tied: bool) -> None:
+def write_gguf(path, tied: bool, vocab: int = VOCAB) -> None:
     rng = np.random.default_rng(0)
 
     def encode(hf_name, shape, heads):
@@ -48,7 +48,7 @@ def write_gguf(path, tied: bool) -> None:
         qt = storage_type(hf_name)
         return gguf.quants.quantize(values, qt), qt
 
-    write_tiny_llama_gguf(path, (H, HEADS, KV_HEADS, INTER, VOCAB), tied, encode)
+    write_tiny_llama_gguf(path, (H, HEADS, KV_HEADS, INTER, vocab), tied, encode)
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])

@@ -1,20 +1,24 @@
 """Packed GGUF weights under tensor parallelism: each rank keeps its rows of the column-parallel
-linears and its blocks of the row-parallel ones packed (a split inside a block, the embedding
-and the LM head take fp32), the memory plan counts that, and greedy tokens with two ranks
-equal one rank's, logprobs up to summation order."""
+linears, its blocks of the row-parallel ones (a split inside a block takes fp32) and its
+vocabulary rows of the embedding and LM head packed (the last shard zero-padded), the memory
+plan counts that, and greedy tokens with two ranks equal one rank's, logprobs up to summation
+order."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdserve.common.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from pdserve.common.engine.llm import LLM
 from pdserve.common.models.gguf_loader import load_gguf
-from pdserve.common.models.quant.packed import QType
+from pdserve.common.models.quant.embedding import PackedEmbedding
+from pdserve.common.models.quant.packed import PackedWeight, QType
 from pdserve.common.models.registry import LoadedModel, model_fingerprint
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.tokenizer import Tokenizer
-from pdserve.tests.unit.test_packed_model import H, HEADS, INTER, KV_HEADS, write_gguf
+from pdserve.tests.unit.test_packed_model import (H, HEADS, INTER, KV_HEADS, VOCAB,
+                                                 write_gguf)
 
 PROMPTS = [[3, 17, 42, 99, 5], list(range(30, 70))]
 
@@ -30,7 +34,7 @@ def run(path, tp: int):
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_tp2_keeps_the_linears_packed_and_decodes_like_tp1(tmp_path, tied):
-    write_gguf(tmp_path / "m.gguf", tied)
+    write_gguf(tmp_path / "m.gguf", tied, VOCAB + 1)  # rank 1's vocabulary shard pads a row
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     one = run(tmp_path / "m.gguf", 1)
     try:
@@ -50,7 +54,12 @@ def test_tp2_keeps_the_linears_packed_and_decodes_like_tp1(tmp_path, tied):
         assert layer0.mlp.gate_up_proj.packed_weight.shape == (INTER, H)  # half of 2 x INTER
         assert layer0.self_attn.o_proj.packed_weight.shape == (H, H // 2)  # whole blocks
         assert layer0.mlp.down_proj.packed_weight is None  # 48 of 96 inputs: inside a block
-        assert model.embed_tokens.weight is not None  # the embedding: an fp32 shard
+        rows = VOCAB // 2 + 1  # the embedding and head: this rank's share of the vocabulary
+        assert isinstance(model.embed_tokens, PackedEmbedding)
+        assert model.embed_tokens.packed_weight.shape == (rows, H)
+        head = model.lm_head.packed_weight
+        assert head.shape == (rows, H)
+        assert (head is model.embed_tokens.packed_weight) == tied
         fp = two.engine.weights_footprint
         assert ref_fp.resident_bytes < fp.resident_bytes < 0.6 * fp.fp32_bytes
         got = two.generate(PROMPTS, params)
@@ -60,3 +69,16 @@ def test_tp2_keeps_the_linears_packed_and_decodes_like_tp1(tmp_path, tied):
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs):
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("qtype", list(QType), ids=lambda q: q.name)
+def test_the_last_vocabulary_shard_pads_with_zero_weights(qtype):
+    k = qtype.block_size
+    w = PackedWeight(qtype, torch.randint(0, 256, (5, qtype.block_bytes), dtype=torch.uint8), k)
+    part = w.padded_rows(3, 4)  # rows 3 and 4, then two padding rows
+    assert part.shape == (4, k)
+    assert torch.equal(part.data[:2], w.data[3:5])
+    assert torch.equal(part.dequantize()[2:], torch.zeros(2, k))
+    assert part.data.data_ptr() != w.data.data_ptr()  # a copy: the whole weight can be freed
+    with pytest.raises(ValueError, match="not a shard"):
+        w.padded_rows(0, 0)

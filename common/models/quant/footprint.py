@@ -42,30 +42,28 @@ def loaded_weights_footprint(weights: dict, tp_size: int = 1) -> WeightsFootprin
     """The same count from the loaded checkpoint, before any model is built (the KV plan comes
     first: the executor allocates each rank's model and KV caches together), summed over the
     tp_size ranks. A PackedWeight counts packed where it stays packed: always with one rank;
-    under tensor parallelism the embedding and LM head are expanded (llama.py's
-    `packs_under_tp`), and so is a row-parallel linear whose input features do not split into
-    whole blocks. That split is checked on every weight here, which over-counts a
-    column-parallel one that would stay packed (a safe error: fewer KV blocks)."""
+    under tensor parallelism unless it is a row-parallel linear whose input features do not
+    split into whole blocks (linear.py's `keeps_packed`). That split is checked on every weight
+    here, which over-counts a column-parallel one that would stay packed (a safe error: fewer
+    KV blocks); the last vocabulary shard's zero padding is not counted."""
     seen: set[int] = set()
     resident = fp32 = 0
-    for name, w in weights.items():
+    for w in weights.values():
         data = w.data if isinstance(w, PackedWeight) else w
         key = data.untyped_storage().data_ptr()
         if key in seen:
             continue
         seen.add(key)
         as_fp32 = w.fp32_nbytes if isinstance(w, PackedWeight) else w.numel() * 4
-        packed = isinstance(w, PackedWeight) and _stays_packed(name, w, tp_size)
+        packed = isinstance(w, PackedWeight) and _stays_packed(w, tp_size)
         resident += data.numel() * data.element_size() if packed or not isinstance(
             w, PackedWeight) else as_fp32
         fp32 += as_fp32
     return WeightsFootprint(resident, fp32)
 
 
-def _stays_packed(name: str, w: PackedWeight, tp_size: int) -> bool:
+def _stays_packed(w: PackedWeight, tp_size: int) -> bool:
     if tp_size == 1:
         return True
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-        return False
     n = w.in_features // tp_size
     return w.in_features % tp_size == 0 and w.splits_at(0, n)

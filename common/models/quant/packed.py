@@ -133,6 +133,15 @@ class PackedWeight:
             raise ValueError(f"rows [{start}, {start + n}) outside [0, {self.out_features})")
         return PackedWeight(self.qtype, self.data[start:start + n].clone(), self.in_features)
 
+    def padded_rows(self, start: int, n: int) -> "PackedWeight":
+        """Rows [start, start + n), those past the last row all-zero blocks (zero weights in
+        every type: each scale is 0): a vocabulary-parallel rank's padded shard (a copy)."""
+        if start < 0 or n <= 0:
+            raise ValueError(f"rows [{start}, {start + n}) are not a shard")
+        have = self.data[start:start + n]
+        pad = self.data.new_zeros(n - have.shape[0], self.data.shape[1])
+        return PackedWeight(self.qtype, torch.cat([have, pad]).contiguous(), self.in_features)
+
     def splits_at(self, start: int, n: int) -> bool:
         """Whether input features [start, start + n) are whole blocks (`columns` can cut
         them)."""
