@@ -1,0 +1,48 @@
+"""bench/retype_gguf.py: the chosen tensors re-encoded in the new type (the values gguf-py's
+round trip gives), every other tensor and the metadata as they were, bad rules refused."""
+
+from __future__ import annotations
+
+import argparse
+
+import gguf
+import numpy as np
+import pytest
+
+from pdserve.bench.retype_gguf import main, parse_retype
+from pdserve.tests.unit.test_packed_model import write_gguf
+
+QT = gguf.GGMLQuantizationType
+
+
+def tensors(path) -> dict:
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+def test_retype_re_encodes_only_the_matching_tensors(tmp_path, capsys):
+    write_gguf(tmp_path / "m.gguf", tied=True)
+    main(["--model", str(tmp_path / "m.gguf"), "--retype", "attn_k=Q8_0",
+          "--out", str(tmp_path / "r.gguf")])
+    assert "2 tensors re-encoded" in capsys.readouterr().out
+    before, after = tensors(tmp_path / "m.gguf"), tensors(tmp_path / "r.gguf")
+    assert before.keys() == after.keys()
+    for name, t in before.items():
+        u = after[name]
+        assert list(u.shape) == list(t.shape), name
+        if name.endswith("attn_k.weight"):
+            assert u.tensor_type == QT.Q8_0
+            values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+            assert np.array_equal(np.asarray(u.data), gguf.quants.quantize(values, QT.Q8_0))
+        else:
+            assert u.tensor_type == t.tensor_type, name
+            assert np.array_equal(np.asarray(u.data), np.asarray(t.data)), name
+    meta = [{k: f.contents() for k, f in gguf.GGUFReader(p).fields.items()
+             if not k.startswith("GGUF.")} for p in (tmp_path / "m.gguf", tmp_path / "r.gguf")]
+    assert meta[0] == meta[1] and meta[1]["llama.attention.head_count_kv"] == 2
+
+
+def test_bad_rules_are_refused():
+    assert parse_retype("attn_v=Q8_0") == ("attn_v", QT.Q8_0)
+    for bad in ("attn_v", "=Q8_0", "attn_v=Q4_K", "attn_v=q8_0"):
+        with pytest.raises(argparse.ArgumentTypeError, match="SUFFIX=TYPE"):
+            parse_retype(bad)
