@@ -45,8 +45,12 @@ LARGE_M = {"avx512": 96, "avx2": 256, "scalar": 256}
 # a Zen 5, 2 threads, paths alternated, blocked / expand+GEMM: 1.04 at M = 96 and 256, 1.01
 # at 512, 0.96 at 768, 0.95 at 1024, 0.92 at 2048 (an earlier pass: 1.00 at 512, 0.96, 0.89,
 # 0.93; two an hour later 0.87-0.91 from M = 256 on, 0.90-1.00 at 2048): all passes agree
-# from 768 on. None: not measured for that build (the plain path stays).
-BLOCKED_M = {"avx512": 768, "avx2": None, "scalar": None}
+# from 768 on. AVX2: the AVX2 build on the same Zen 5 with oneDNN capped to AVX2
+# (ONEDNN_MAX_CPU_ISA=AVX2: its brg_matmul:avx2 takes the same AB16b64a layout), not an AVX2
+# core: 0.97 / 0.99 / 0.92 / 0.96 / 0.97 at M = 256 / 512 / 768 / 1024 / 2048, a second pass
+# 1.00 / 0.98 / 0.97 / 0.95 from 512; both agree from 768 on. None: not measured for that
+# build (the plain path stays).
+BLOCKED_M = {"avx512": 768, "avx2": 768, "scalar": None}
 # Most fp32 bytes the large-M path expands at once: a whole SmolLM2-135M matrix (7 MB at most;
 # its LM head tiles), a SmolLM2-1.7B gate/up in 5 tiles. Transient: freed after the GEMM.
 EXPAND_BYTES = 32 << 20
