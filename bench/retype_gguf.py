@@ -40,6 +40,9 @@ def retype(src: Path, out: Path, rules: list[tuple[str, gguf.GGMLQuantizationTyp
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue  # the writer adds these itself
+        if name == "general.alignment":  # the writer pads tensor data to its own alignment
+            writer.add_custom_alignment(int(field.contents()))
+            continue
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), kind, sub_type=sub)

@@ -53,6 +53,7 @@ from pdserve.common.kv.kv_cache_manager import KVCacheManager
 from pdserve.common.kv.memory import available_memory_bytes, plan_kv_blocks
 from pdserve.common.models.cpu_gemm import resolve_cpu_gemm
 from pdserve.common.models.dtype import resolve_dtype
+from pdserve.common.models.llama import tp_keeps_packed
 from pdserve.common.models.quant.footprint import loaded_weights_footprint, weights_footprint
 from pdserve.common.models.registry import LoadedModel, load_model
 from pdserve.common.sampling_params import SamplingParams
@@ -109,7 +110,6 @@ class EngineCore:
                 * stage0.num_layers // (cfg.num_kv_heads * cfg.num_layers)
         # the plan's weights: counted on the model where this process builds it (what it
         # holds: packed parts, oneDNN copies, half dtypes), else estimated from the checkpoint
-        self.weights_footprint = loaded_weights_footprint(loaded.weights, tp_size)
         model, self.peak = None, None
         if world == 1:
             model = build_rank_model(config, cfg, loaded.weights, SINGLE,
@@ -117,6 +117,9 @@ class EngineCore:
             self.weights_footprint = weights_footprint(model)
             if cc.num_blocks is None and cc.kv_cache_bytes is None:  # planned from memory
                 self.peak = self._profile_peak(model)
+        else:
+            self.weights_footprint = loaded_weights_footprint(
+                loaded.weights, lambda name, w: tp_keeps_packed(cfg, name, w, tp_size))
         plan = plan_kv_blocks(per_token, cc.block_size,
                               budget_bytes=self._kv_budget(cc), fraction=cc.kv_cache_fraction,
                               num_blocks=cc.num_blocks, device=config.device,

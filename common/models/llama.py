@@ -151,6 +151,22 @@ class DecoderLayer(nn.Module):
                            qkv_tail=tail)
 
 
+def tp_keeps_packed(cfg: ModelConfig, name: str, w: PackedWeight, tp_size: int) -> bool:
+    """Whether every rank of tp_size keeps its part of checkpoint weight `name` packed (the
+    KV plan's estimate, before any rank builds its shard): always but for a row-parallel
+    linear (o, down) whose input split falls inside a block on some rank (`keeps_packed`)."""
+    if name.endswith("o_proj.weight"):
+        group, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        splits = [(first * group * d, count * group * d) for first, count in
+                  (kv_head_range(cfg.num_kv_heads, r, tp_size) for r in range(tp_size))]
+    elif name.endswith("down_proj.weight"):
+        n = w.in_features // tp_size
+        splits = [(r * n, n) for r in range(tp_size)]
+    else:
+        return True
+    return all(w.splits_at(start, n) for start, n in splits)
+
+
 # HF parameter name fragment -> (our fused parameter, shard id)
 _STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"),
             ("v_proj", "qkv_proj", "v"), ("gate_proj", "gate_up_proj", 0),
@@ -310,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name if shard is None else f"{name}:{shard}")
         self._check_complete(loaded)
         for m in self.modules():
-            if hasattr(m, "finish_loading"):
+            if isinstance(m, PackedLoading):
                 m.finish_loading()
 
     def _stage_name(self, name: str) -> Optional[str]:

@@ -116,6 +116,12 @@ class PackedLayer:
             raise ValueError(f"o and down must have {hidden} output rows")
         if self.gate_up.data.shape[0] % 2:
             raise ValueError("gate_up must stack two equal halves [gate; up]")
+        kv_rows = self.qkv.data.shape[0] - self.q_size  # k and v rows, the tail's included
+        if self.qkv_tail is not None:
+            kv_rows += self.qkv_tail.data.shape[0]
+        if kv_rows <= 0 or kv_rows % 2:
+            raise ValueError(f"qkv must hold q_size {self.q_size} rows and equal k and v rows, "
+                             f"got {kv_rows} rows past q")
 
     def forward(self, gemm, rms_norm, attend: Attend, x: torch.Tensor,
                 kv_cache: torch.Tensor, step: Optional[DecodeStep] = None,

@@ -47,8 +47,8 @@ class PackedStack:
             raise ValueError(f"a stack needs one entry per layer in every list ({n} layers)")
         if len(self.qtypes) != 4 * n or len(self.biases) != 4 * n:
             raise ValueError(f"qtypes and biases need four entries per layer ({4 * n})")
-        if {len(self.tails), len(self.tail_qtypes), len(self.tail_biases)} - {0, n} or len(
-                {len(self.tails), len(self.tail_qtypes), len(self.tail_biases)}) != 1:
+        tail_lens = {len(self.tails), len(self.tail_qtypes), len(self.tail_biases)}
+        if tail_lens not in ({0}, {n}):
             raise ValueError(f"qkv tails: one entry per layer ({n}) in each list, or none")
 
     @classmethod

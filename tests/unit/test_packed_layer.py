@@ -158,9 +158,12 @@ def test_one_call_layer_rejects_a_bad_qkv_tail(tmp_path):
     x = torch.randn(1, H)
     assert torch.isfinite(layer.forward(gemm, None, None, x, cache, step)).all()
     tail = layer.qkv_tail
-    short = dataclasses.replace(tail, data=tail.data[:-1])  # head and tail miss a row
-    with pytest.raises(ValueError, match="qkv: weight must have"):
-        dataclasses.replace(layer, qkv_tail=short).forward(gemm, None, None, x, cache, step)
+    short = dataclasses.replace(tail, data=tail.data[:-1])  # v one row short of k
+    with pytest.raises(ValueError, match="equal k and v rows"):
+        dataclasses.replace(layer, qkv_tail=short)
+    with pytest.raises(ValueError, match="equal k and v rows"):  # no k and v rows at all
+        dataclasses.replace(layer, qkv=dataclasses.replace(layer.qkv, data=layer.qkv.data[:64]),
+                            qkv_tail=None)
     whole = dataclasses.replace(tail, data=torch.cat([layer.qkv.data] * 2))  # no head rows left
     with pytest.raises(ValueError, match="qkv tail must have"):
         dataclasses.replace(layer, qkv_tail=whole).forward(gemm, None, None, x, cache, step)

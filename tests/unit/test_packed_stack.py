@@ -114,7 +114,6 @@ def test_stack_rejects_inconsistent_inputs(tmp_path):
                     stack.scale).forward(gemm, x, [cache, cache], step)
 
 
-
 def test_stack_rejects_inconsistent_qkv_tails(tmp_path):
     _, model = packed_model(tmp_path, v_tail=True)
     gemm, stack = model._packed_gemm, model._packed_stack

@@ -10,9 +10,13 @@ import pytest
 import torch
 
 from pdserve.common.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from pdserve.common.distributed.layout import TensorParallel
 from pdserve.common.engine.llm import LLM
+from pdserve.common.engine.rank_model import build_rank_model
 from pdserve.common.models.gguf_loader import load_gguf
+from pdserve.common.models.llama import tp_keeps_packed
 from pdserve.common.models.quant.embedding import PackedEmbedding
+from pdserve.common.models.quant.footprint import loaded_weights_footprint, weights_footprint
 from pdserve.common.models.quant.packed import PackedWeight, QType
 from pdserve.common.models.registry import LoadedModel, model_fingerprint
 from pdserve.common.sampling_params import SamplingParams
@@ -82,3 +86,29 @@ def test_the_last_vocabulary_shard_pads_with_zero_weights(qtype):
     assert part.data.data_ptr() != w.data.data_ptr()  # a copy: the whole weight can be freed
     with pytest.raises(ValueError, match="not a shard"):
         w.padded_rows(0, 0)
+
+
+class _NoComm:
+    """Stands in for the group's communicator where a test only builds ranks' shards."""
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_tp_estimate_counts_what_the_ranks_hold(tmp_path, tied):
+    """The KV plan's estimate (before any rank builds) equals what the two ranks' shards hold,
+    but for what each rank holds twice (the norms) and the last vocabulary shard's padding."""
+    write_gguf(tmp_path / "m.gguf", tied, VOCAB + 1)
+    cfg, weights = load_gguf(tmp_path / "m.gguf", packed=True)
+    config = EngineConfig(model="tiny", num_threads=1)
+    ranks = [build_rank_model(config, cfg, weights, TensorParallel(r, 2, _NoComm()), "cpu")
+             for r in range(2)]
+    held = sum(weights_footprint(m).resident_bytes for m in ranks)
+    estimate = loaded_weights_footprint(weights, lambda n, w: tp_keeps_packed(cfg, n, w, 2))
+    norms = sum(p.numel() * 4 for n, p in ranks[1].named_parameters() if "norm" in n)
+    row = weights["model.embed_tokens.weight"].data.shape[1]  # bytes of one vocabulary row
+    padding = (2 * (VOCAB // 2 + 1) - (VOCAB + 1)) * row * (1 if tied else 2)
+    assert held == estimate.resident_bytes + norms + padding
+    # o's 64 inputs split on whole blocks; down's 96 do not (fp32 on both ranks)
+    assert tp_keeps_packed(cfg, "model.layers.0.self_attn.o_proj.weight",
+                           weights["model.layers.0.self_attn.o_proj.weight"], 2)
+    assert not tp_keeps_packed(cfg, "model.layers.0.mlp.down_proj.weight",
+                               weights["model.layers.0.mlp.down_proj.weight"], 2)

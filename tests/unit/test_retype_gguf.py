@@ -46,3 +46,26 @@ def test_bad_rules_are_refused():
     for bad in ("attn_v", "=Q8_0", "attn_v=Q4_K", "attn_v=q8_0"):
         with pytest.raises(argparse.ArgumentTypeError, match="SUFFIX=TYPE"):
             parse_retype(bad)
+
+
+@pytest.mark.parametrize("name_len", [1, 17, 33, 49])
+def test_a_custom_alignment_is_kept(tmp_path, name_len):
+    """A file whose tensor data is 64-byte aligned (general.alignment) stays readable, whatever
+    its header's length (32-byte padding lines up with 64 for some lengths only)."""
+    w = gguf.GGUFWriter(str(tmp_path / "a.gguf"), "llama")
+    w.add_custom_alignment(64)
+    w.add_name("x" * name_len)
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        w.add_tensor(f"blk.{i}.attn_v.weight",
+                     gguf.quants.quantize(rng.standard_normal((4, 32)).astype(np.float32),
+                                          QT.Q4_0), raw_dtype=QT.Q4_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    main(["--model", str(tmp_path / "a.gguf"), "--retype", "attn_v=Q8_0",
+          "--out", str(tmp_path / "b.gguf")])
+    out = gguf.GGUFReader(tmp_path / "b.gguf")
+    assert out.fields["general.alignment"].contents() == 64
+    assert [t.tensor_type for t in out.tensors] == [QT.Q8_0] * 3

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -157,8 +156,9 @@ class PackedWeight:
                              f"not whole {self.qtype.name} blocks of {self.qtype.block_size}")
         bs, bb = self.qtype.block_size, self.qtype.block_bytes
         blocks = self.data.view(self.out_features, self.in_features // bs, bb)
-        part = blocks[:, start // bs:(start + n) // bs].reshape(self.out_features, -1)
-        return PackedWeight(self.qtype, part.contiguous().clone(), n)
+        part = self.data.new_empty(self.out_features, n // bs, bb)
+        part.copy_(blocks[:, start // bs:(start + n) // bs])
+        return PackedWeight(self.qtype, part.view(self.out_features, -1), n)
 
     def apply(self, fn) -> "PackedWeight":
         """The same weight with `fn` applied to its bytes (nn.Module._apply: device moves)."""
@@ -170,16 +170,6 @@ class PackedWeight:
         device; bit-identical to gguf-py's dequantize."""
         data = self.data if rows is None else self.data[rows]
         return expand_blocks(data, self.qtype, self.in_features)
-
-
-@runtime_checkable
-class HoldsPacked(Protocol):
-    """A module that keeps GGUF blocks (the packed linears, the packed embedding): what the
-    memory plan counts."""
-
-    @property
-    def packed_parts(self) -> tuple[PackedWeight, ...]:
-        """Its packed weights, () when it holds none."""
 
 
 def stack_runs(parts: list[PackedWeight]) -> tuple[PackedWeight, ...]:
