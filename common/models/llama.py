@@ -288,6 +288,17 @@ class LlamaForCausalLM(nn.Module):
             self._packed_stack = PackedStack.of(layers)
             self._rms_norm = native.rms_norm
 
+    def _apply(self, fn, recurse=True):
+        """`.to(device)` moves each packed weight in its module; a tied head would then hold
+        its own copy of the embedding's blocks, so it is tied again to the moved ones."""
+        tied = (self.pp.is_first and self.pp.is_last
+                and isinstance(self.embed_tokens, PackedEmbedding)
+                and self.lm_head.packed_weight is self.embed_tokens.packed_weight)
+        super()._apply(fn, recurse)
+        if tied:
+            self.lm_head.packed_parts = (self.embed_tokens.packed_weight,)
+        return self
+
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """hidden [N, hidden] -> logits [N, vocab] (fp32) on rank 0; None on other ranks."""
         return self.lm_head.logits(hidden)

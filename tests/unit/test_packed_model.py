@@ -101,3 +101,16 @@ def test_engine_packed_equals_fp32(tmp_path, tied, monkeypatch):
     assert blocked is not None and layer1.mlp.gate_up_proj.blocked_weights is blocked
     assert qkv1.blocked_weights is blocked
     assert (blocked.nbytes > 0) == (blocked_m() is not None)
+
+
+def test_a_device_move_keeps_the_tied_head_on_the_embeddings_blocks(tmp_path):
+    """`.to(device)` applies to each packed weight in its module; the tied head is tied again
+    to the moved embedding blocks, not left with a second copy (here: a clone standing in
+    for the device move, which a CPU-only machine cannot make)."""
+    write_gguf(tmp_path / "m.gguf", tied=True)
+    model = engine(tmp_path / "m.gguf", True).engine.model
+    before = model.embed_tokens.packed_weight
+    model._apply(lambda t: t.clone())
+    moved = model.embed_tokens.packed_weight
+    assert moved is not before and moved.data.data_ptr() != before.data.data_ptr()
+    assert model.lm_head.packed_weight is moved
