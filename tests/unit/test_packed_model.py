@@ -26,11 +26,11 @@ H, HEADS, KV_HEADS, INTER, VOCAB = 64, 4, 2, 96, 320
 
 
 def storage_type(name: str) -> QT:
-    """Layer 0 all Q4_0; layer 1 Q4_1 but v in Q8_0 (mixed qkv) and down in Q5_0 (no kernel)."""
+    """Layer 0 all Q4_0; layer 1 Q4_1 but v in Q8_0 (mixed qkv) and down in F16 (no kernel)."""
     if "layers.0." in name:
         return QT.Q4_0
     if "layers.1." in name:
-        return {"v_proj": QT.Q8_0, "down_proj": QT.Q5_0}.get(name.split(".")[-2], QT.Q4_1)
+        return {"v_proj": QT.Q8_0, "down_proj": QT.F16}.get(name.split(".")[-2], QT.Q4_1)
     return QT.Q8_0  # embedding and LM head
 
 
@@ -60,7 +60,7 @@ def test_packed_blocks_expand_to_the_fp32_weights(tmp_path, tied):
     kinds = {n: (w.qtype if isinstance(w, PackedWeight) else None) for n, w in packed.items()}
     assert kinds["model.layers.0.self_attn.q_proj.weight"] == QType.Q4_0
     assert kinds["model.layers.1.self_attn.v_proj.weight"] == QType.Q8_0
-    assert kinds["model.layers.1.mlp.down_proj.weight"] is None  # Q5_0: expanded at load
+    assert kinds["model.layers.1.mlp.down_proj.weight"] is None  # F16: expanded at load
     expanded = expand_weights(packed)
     for name in fp32:
         assert torch.equal(expanded[name], fp32[name]), name

@@ -1,7 +1,7 @@
 """GGUF block-quantized weights kept packed in memory (`PackedWeight`), and their expansion.
 
 A packed weight is the GGUF tensor's bytes, row by row: [N, K / block_size * block_bytes] uint8
-for a logical [N, K] fp32 matrix, blocks along K of 32 weights (Q4_0, Q4_1, Q8_0) or
+for a logical [N, K] fp32 matrix, blocks along K of 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or
 super-blocks of 256 (the K-quants Q2_K .. Q6_K: 8 sub-blocks of 32 with their own scales;
 every kernel walks K in 32-weight sub-blocks). Rows can be reordered and concatenated
 without touching a block (llama.cpp's Q/K row permutation, the fused q/k/v and gate/up
@@ -32,6 +32,8 @@ class QType(enum.IntEnum):
 
     Q4_0 = 2
     Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
     Q2_K = 10
     Q3_K = 11
@@ -63,7 +65,8 @@ class QType(enum.IntEnum):
 
 
 # qtype -> (weights per block, bytes per block as gguf's GGML_QUANT_SIZES, fp16 field offsets)
-_LAYOUT = {QType.Q4_0: (32, 18, (0,)), QType.Q4_1: (32, 20, (0, 2)), QType.Q8_0: (32, 34, (0,)),
+_LAYOUT = {QType.Q4_0: (32, 18, (0,)), QType.Q4_1: (32, 20, (0, 2)), QType.Q5_0: (32, 22, (0,)),
+           QType.Q5_1: (32, 24, (0, 2)), QType.Q8_0: (32, 34, (0,)),
            QType.Q2_K: (QK_K, 84, (80, 82)), QType.Q3_K: (QK_K, 110, (108,)),
            QType.Q4_K: (QK_K, 144, (0, 2)), QType.Q5_K: (QK_K, 176, (0, 2)),
            QType.Q6_K: (QK_K, 210, (208,))}
@@ -204,6 +207,23 @@ def _expand_q4_1(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 20] -> [R, nb, 32]
     return _half(b[..., 0:2]) * _nibbles(b[..., 4:]) + _half(b[..., 2:4])
 
 
+def _q5_quants(b: torch.Tensor, qh_at: int) -> torch.Tensor:
+    """Q5_0 / Q5_1 [R, nb, bytes] -> the 32 quants 0..31 [R, nb, 32] fp32: the nibbles after
+    the 4 bytes of qh, bit i of qh (little-endian) bit 4 of element i."""
+    qh = b[..., qh_at:qh_at + 4].unsqueeze(-1)  # [R, nb, 4, 1]: byte i / 8 holds bit i % 8
+    bits = torch.arange(8, dtype=torch.uint8, device=b.device)
+    high = ((qh >> bits) & 1).flatten(-2)  # [R, nb, 32]
+    return _nibbles(b[..., qh_at + 4:qh_at + 20]) + 16.0 * high.float()
+
+
+def _expand_q5_0(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 22] -> [R, nb, 32]
+    return _half(b[..., 0:2]) * (_q5_quants(b, 2) - 16.0)
+
+
+def _expand_q5_1(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 24] -> [R, nb, 32]
+    return _half(b[..., 0:2]) * _q5_quants(b, 4) + _half(b[..., 2:4])
+
+
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """[..., 16] bytes -> [..., 32] fp32: element j low nibble, j + 16 high nibble."""
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
@@ -278,7 +298,8 @@ def _expand_q3_k(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 110] -> [R, nb, 25
     return (d * q.float().reshape(*b.shape[:-1], 16, 16)).flatten(-2)
 
 
-_EXPAND = {QType.Q4_0: _expand_q4_0, QType.Q4_1: _expand_q4_1, QType.Q8_0: _expand_q8_0,
+_EXPAND = {QType.Q4_0: _expand_q4_0, QType.Q4_1: _expand_q4_1, QType.Q5_0: _expand_q5_0,
+           QType.Q5_1: _expand_q5_1, QType.Q8_0: _expand_q8_0,
            QType.Q2_K: _expand_q2_k, QType.Q3_K: _expand_q3_k,
            QType.Q4_K: _expand_q4_k, QType.Q5_K: _expand_q5_k, QType.Q6_K: _expand_q6_k}
 

@@ -1,8 +1,8 @@
 """The packed-weight GEMM on CUDA (Triton): y = x @ W^T (+ bias) (+ residual), W GGUF-packed.
 
 Grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)). A program walks K one 32-weight (sub-)block at a
-time (Q4_0 / Q4_1 / Q8_0 blocks, or the 8 sub-blocks of a K-quant super-block): it loads its
-BLOCK_N rows' scale (and min) and quants, expands them to fp32 in registers exactly as gguf-py
+time (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks, or the 8 sub-blocks of a K-quant super-block):
+it loads its BLOCK_N rows' scale (and min) and quants, expands them to fp32 in registers exactly as gguf-py
 dequantizes (quant/packed.py; a K-quant's sub-block scale d * sc and min dmin * m are exact
 products, so d_s * q - m_s rounds once, fused or not), and accumulates x_tile @ w_tile^T in fp32 with
 `input_precision="ieee"` (never TF32, which would round the operands). So, as on the CPU, the
@@ -124,7 +124,13 @@ def _packed_gemm_kernel(
                 w = d[:, None] * q
             else:
                 q = ((raw >> q_shift[None, :].to(tl.uint8)) & 0x0F).to(tl.float32)
-                if QT == 3:  # Q4_1: d * q + m (the product is exact, so one rounding, as numpy)
+                if QT == 6 or QT == 7:  # Q5_0 / Q5_1: bit j of qh (before the nibbles) is bit 4
+                    qh = (tl.load(blk[:, None] + QS_OFFSET - 4 + j[None, :] // 8, mask=wmask,
+                                  other=0).to(tl.int32) >> (j[None, :] % 8)) & 1
+                    q = q + 16.0 * qh.to(tl.float32)
+                if QT == 6:  # Q5_0: d * (q - 16), exact
+                    w = d[:, None] * (q - 16.0)
+                elif QT == 3 or QT == 7:  # Q4_1 / Q5_1: d * q + m (one rounding, as numpy)
                     m_bits = (tl.load(blk + 2, mask=n_mask, other=0).to(tl.uint16)
                               | (tl.load(blk + 3, mask=n_mask, other=0).to(tl.uint16) << 8))
                     mn = m_bits.to(tl.float16, bitcast=True).to(tl.float32)
@@ -145,7 +151,8 @@ def _packed_gemm_kernel(
 
 # byte offset of the quants in a block (sub-block 0's low bits, for Q2_K .. Q5_K); 2 otherwise
 # (Q6_K's offsets are in the kernel)
-_QS_OFFSET = {QType.Q4_1: 4, QType.Q2_K: 16, QType.Q3_K: 32, QType.Q4_K: 16, QType.Q5_K: 48}
+_QS_OFFSET = {QType.Q4_1: 4, QType.Q5_0: 6, QType.Q5_1: 8, QType.Q2_K: 16, QType.Q3_K: 32,
+              QType.Q4_K: 16, QType.Q5_K: 48}
 
 
 def triton_packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,

@@ -1,5 +1,5 @@
-// Packed-weight GEMM for GGUF block-quantized weights (Q4_0, Q4_1, Q8_0 and the K-quants Q2_K,
-// Q3_K, Q4_K, Q5_K, Q6_K), exact fp32 arithmetic:
+// Packed-weight GEMM for GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the
+// K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), exact fp32 arithmetic:
 //   packed_gemm   out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) (+ residual[m, n])
 //   dequantize    the fp32 rows of a packed weight (for large-M GEMMs and embedding lookups)
 //   dequantize_blocked  the whole weight in oneDNN's blocked layout (the largest-M GEMMs;
@@ -11,10 +11,13 @@
 // activations are never quantized (llama.cpp's Q8_1 activations change the answer).
 //
 // Layout: the weight is [N, row_bytes] uint8, each row its blocks back to back, as in the GGUF
-// file (GGML type ids: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
-// Q6_K = 14).
+// file (GGML type ids: Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11,
+// Q4_K = 12, Q5_K = 13, Q6_K = 14).
 //   Q4_0 (18 bytes / 32): fp16 d, 16 bytes of nibbles; w[i] = d * (q[i] - 8)
 //   Q4_1 (20 bytes / 32): fp16 d, fp16 m, 16 bytes of nibbles; w[i] = d * q[i] + m
+//   Q5_0 (22 bytes / 32): fp16 d, 4 bytes qh (bit i: bit 4 of element i), 16 bytes of nibbles;
+//     w[i] = d * (q[i] - 16)   (exact)
+//   Q5_1 (24 bytes / 32): fp16 d, fp16 m, qh, nibbles; w[i] = d * q[i] + m   (one rounding)
 //   Q8_0 (34 bytes / 32): fp16 d, 32 int8; w[i] = d * q[i]
 //   Nibble order: byte j holds element j (low nibble) and element j + 16 (high nibble).
 // K-quants: super-blocks of 256 weights = 8 sub-blocks of 32, each expanded like a block above.

@@ -29,17 +29,20 @@ namespace {
 
 constexpr int QK = 32;  // weights per (sub-)block: the unit every path expands
 enum QType : int64_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12,
+  kQ5_K = 13, kQ6_K = 14
 };
 
 constexpr bool is_kquant(int64_t qt) { return qt >= kQ2_K && qt <= kQ6_K; }
+constexpr bool is_q5(int64_t qt) { return qt == kQ5_0 || qt == kQ5_1; }
 constexpr bool valid_qtype(int64_t qt) {
-  return qt == kQ4_0 || qt == kQ4_1 || qt == kQ8_0 || is_kquant(qt);
+  return qt == kQ4_0 || qt == kQ4_1 || qt == kQ8_0 || is_q5(qt) || is_kquant(qt);
 }
 constexpr int subs(int64_t qt) { return is_kquant(qt) ? 8 : 1; }  // sub-blocks per block
 constexpr int64_t block_size(int64_t qt) { return QK * subs(qt); }
 constexpr int64_t block_bytes(int64_t qt) {
-  return qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ8_0 ? 34 : qt == kQ2_K ? 84
+  return qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ5_0 ? 22 : qt == kQ5_1 ? 24
+       : qt == kQ8_0 ? 34 : qt == kQ2_K ? 84
        : qt == kQ3_K ? 110 : qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : qt == kQ6_K ? 210 : 0;
 }
 
@@ -87,11 +90,24 @@ inline float q2k_min(const uint8_t* b, int i) {
   return half_at(b + 82) * static_cast<float>(b[i] >> 4);
 }
 
-// The 32 quants of K-quant sub-block s, as integers (Q2_K 0..3, Q3_K -4..3, Q4_K 0..15,
-// Q5_K 0..31, Q6_K -32..31).
+// Q5_0 / Q5_1: the 32-bit high-bit mask (bit i is bit 4 of element i) and the 16 nibble bytes
+// (element i < 16 the low nibble of byte i, i >= 16 the high nibble of byte i - 16), after the
+// fp16 d (and Q5_1's m).
+template <int64_t QT>
+constexpr int q5_qh() { return QT == kQ5_0 ? 2 : 4; }
+template <int64_t QT>
+constexpr int q5_qs() { return q5_qh<QT>() + 4; }
+
+// The 32 quants of K-quant sub-block s (or of a Q5_0 / Q5_1 block), as integers (Q2_K 0..3,
+// Q3_K -4..3, Q4_K 0..15, Q5_K 0..31, Q6_K -32..31, Q5_0 -16..15, Q5_1 0..31).
 template <int64_t QT>
 inline int kq_quant(const uint8_t* b, int s, int i) {
-  if constexpr (QT == kQ2_K) {
+  if constexpr (is_q5(QT)) {
+    uint32_t qh;
+    std::memcpy(&qh, b + q5_qh<QT>(), 4);
+    const int q = ((b[q5_qs<QT>() + i % 16] >> (4 * (i / 16))) & 0x0F) | (((qh >> i) & 1) << 4);
+    return QT == kQ5_0 ? q - 16 : q;
+  } else if constexpr (QT == kQ2_K) {
     return (b[16 + 32 * (s / 4) + i] >> (2 * (s % 4))) & 3;
   } else if constexpr (QT == kQ3_K) {
     const int lo = (b[32 + 32 * (s / 4) + i] >> (2 * (s % 4))) & 3;
@@ -112,7 +128,13 @@ inline int kq_quant(const uint8_t* b, int s, int i) {
 // variant matches.
 template <int64_t QT>
 inline void expand_scalar(const uint8_t* b, int s, float* w) {
-  if constexpr (QT == kQ4_K || QT == kQ5_K) {
+  if constexpr (is_q5(QT)) {  // Q5_0: d * q, exact; Q5_1: fma(d, q, m), one rounding as numpy
+    const float d = half_at(b), m = QT == kQ5_1 ? half_at(b + 2) : 0.f;
+    for (int i = 0; i < QK; ++i)
+      w[i] = QT == kQ5_1 ? std::fma(d, static_cast<float>(kq_quant<QT>(b, s, i)), m)
+                         : d * static_cast<float>(kq_quant<QT>(b, s, i));
+    return;
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
     float ds, ms;
     kq_scale_min(b, s, ds, ms);
     for (int i = 0; i < QK; ++i) w[i] = std::fma(ds, static_cast<float>(kq_quant<QT>(b, s, i)), -ms);
@@ -159,7 +181,21 @@ inline __m256i load32(const uint8_t* p) {
 // uint8).
 template <int64_t QT>
 inline __m256i kq_quants(const uint8_t* b, int s) {
-  if constexpr (QT == kQ2_K) {
+  if constexpr (is_q5(QT)) {  // nibbles, then bit i of qh as bit 4 of byte i (llama.cpp's way)
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + q5_qs<QT>()));
+    const __m128i lo4 = _mm_set1_epi8(0x0F);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), lo4),
+                                         _mm_and_si128(qs, lo4));
+    uint32_t qh;
+    std::memcpy(&qh, b + q5_qh<QT>(), 4);
+    const __m256i spread = _mm256_shuffle_epi8(  // byte i <- qh byte i / 8
+        _mm256_set1_epi32(static_cast<int>(qh)),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    const __m256i q = _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    return QT == kQ5_0 ? _mm256_sub_epi8(q, _mm256_set1_epi8(16)) : q;
+  } else if constexpr (QT == kQ2_K) {
     return srl8(load32(b + 16 + 32 * (s / 4)), 2 * (s % 4), 3);
   } else if constexpr (QT == kQ3_K) {  // (lo | hbit << 2) - 4
     const __m256i hi = _mm256_slli_epi16(srl8(load32(b), s, 1), 2);
@@ -204,7 +240,7 @@ inline vec vset1(float f) { return _mm512_set1_ps(f); }
 
 template <int64_t QT>
 inline void expand(const uint8_t* b, int s, vec* w) {  // 2 vectors
-  if constexpr (is_kquant(QT)) {
+  if constexpr (is_kquant(QT) || is_q5(QT)) {
     expand_k<QT>(b, s, w);
     return;
   }
@@ -260,7 +296,7 @@ inline vec vset1(float f) { return _mm256_set1_ps(f); }
 
 template <int64_t QT>
 inline void expand(const uint8_t* b, int s, vec* w) {  // 4 vectors
-  if constexpr (is_kquant(QT)) {
+  if constexpr (is_kquant(QT) || is_q5(QT)) {
     expand_k<QT>(b, s, w);
     return;
   }
@@ -311,13 +347,19 @@ inline void expand(const uint8_t* b, int s, vec* w) {  // 4 vectors
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-// K-quant sub-block s: unpack its 32 quant bytes (AVX2 byte ops, either vector build), widen
-// them to 32 / VL vectors and scale: fma(d * sc, q, -(dmin * m)), or Q3_K's and Q6_K's
-// (d * scale) * q; Q2_K, Q3_K and Q6_K change scale every 16 weights.
+// K-quant sub-block s (or a Q5_0 / Q5_1 block): unpack its 32 quant bytes (AVX2 byte ops,
+// either vector build), widen them to 32 / VL vectors and scale: fma(d * sc, q, -(dmin * m)),
+// or Q3_K's and Q6_K's (d * scale) * q; Q2_K, Q3_K and Q6_K change scale every 16 weights.
 template <int64_t QT, typename V>
 inline void expand_k(const uint8_t* b, int s, V* w) {
   const __m256i q = kq_quants<QT>(b, s);
-  if constexpr (QT == kQ6_K || QT == kQ3_K) {
+  if constexpr (QT == kQ5_0) {  // d * q, exact
+    const V d = vset1(half_at(b));
+    for (int j = 0; j < QK / VL; ++j) w[j] = vmul(d, i8_to_f(lane_bytes(q, j)));
+  } else if constexpr (QT == kQ5_1) {  // fma(d, q, m): one rounding, as numpy's d * q + m
+    const V d = vset1(half_at(b)), m = vset1(half_at(b + 2));
+    for (int j = 0; j < QK / VL; ++j) w[j] = vfma(d, u8_to_f(lane_bytes(q, j)), m);
+  } else if constexpr (QT == kQ6_K || QT == kQ3_K) {
     for (int j = 0; j < QK / VL; ++j)
       w[j] = vmul(vset1(k16_scale<QT>(b, 2 * s + j * VL / 16)), i8_to_f(lane_bytes(q, j)));
   } else if constexpr (QT == kQ2_K) {
@@ -668,8 +710,9 @@ void expand_row(const uint8_t* row, int64_t K, float* out) {
 #endif
 
 void check_weight(const char* what, const at::Tensor& w, int64_t qtype, int64_t K) {
-  TORCH_CHECK_VALUE(valid_qtype(qtype), what, ": qtype must be Q4_0 (2), Q4_1 (3), Q8_0 (8), "
-                    "Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13) or Q6_K (14), got ", qtype);
+  TORCH_CHECK_VALUE(valid_qtype(qtype), what, ": qtype must be Q4_0 (2), Q4_1 (3), Q5_0 (6), "
+                    "Q5_1 (7), Q8_0 (8), Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13) or Q6_K "
+                    "(14), got ", qtype);
   const int64_t bs = block_size(qtype);
   TORCH_CHECK_VALUE(K > 0 && K % bs == 0, what, ": K must be a positive multiple of ", bs,
                     ", got ", K);
@@ -684,6 +727,8 @@ void dispatch(int64_t qtype, F&& f) {
   switch (qtype) {
     case kQ4_0: f(std::integral_constant<int64_t, kQ4_0>{}); break;
     case kQ4_1: f(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ5_0: f(std::integral_constant<int64_t, kQ5_0>{}); break;
+    case kQ5_1: f(std::integral_constant<int64_t, kQ5_1>{}); break;
     case kQ8_0: f(std::integral_constant<int64_t, kQ8_0>{}); break;
     case kQ2_K: f(std::integral_constant<int64_t, kQ2_K>{}); break;
     case kQ3_K: f(std::integral_constant<int64_t, kQ3_K>{}); break;
