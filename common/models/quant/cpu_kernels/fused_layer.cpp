@@ -59,8 +59,12 @@ Gemm gemm_of(const Linear& l, const float* x, int64_t sx, int64_t M, int64_t K,
 }
 
 // Output columns [N * i / n, N * (i + 1) / n) of g: thread i of n's share, by the kernel
-// packed_gemm runs below PANEL_MIN_M rows.
-void columns_share(const Gemm& g, int64_t qtype, int64_t n0, int64_t n1) {
+// packed_gemm runs below PANEL_MIN_M rows. Not inlined, and neither is each gemm_columns
+// (packed_kernels.h): inlined into layer_phases, one gemm_columns per GGUF type made that
+// function large enough that GCC optimized the batch-1 layer worse (with Q5_0 / Q5_1 added,
+// SmolLM2's Q4_1 batch-1 decode read 0.6-0.9x in alternated runs until both were out of line).
+__attribute__((noinline)) void columns_share(const Gemm& g, int64_t qtype, int64_t n0,
+                                             int64_t n1) {
   if (n0 < n1) dispatch(qtype, [&](auto qt) { gemm_columns<decltype(qt)::value>(g, n0, n1); });
 }
 inline int64_t split(int64_t n, int i, int parts) { return n * i / parts; }

@@ -523,8 +523,10 @@ void q4_lut_columns(const Gemm& g, int64_t n0, int64_t n1) {
 #define PDSERVE_Q4_LUT 1
 #endif
 
+// Out of line: each type's instance keeps its own inlining budget wherever it is dispatched
+// (fused_layer.cpp's columns_share says what inlining them cost).
 template <int64_t QT>
-void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
+__attribute__((noinline)) void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
 #if defined(PDSERVE_Q4_LUT)
   if constexpr (QT == kQ4_0 || QT == kQ4_1) {
     q4_lut_columns<QT>(g, n0, n1);
@@ -680,7 +682,7 @@ inline void expand_q4_lut(const uint8_t* b, float* w) {
 // Plain C++: each block expanded to a float[32] (the compiler vectorizes what it can); Q4_0 /
 // Q4_1 by table lookup.
 template <int64_t QT>
-void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
+__attribute__((noinline)) void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
   float w[QK];
   const int64_t nb = g.K / QK;  // sub-blocks per row
   for (int64_t n = n0; n < n1; ++n) {
