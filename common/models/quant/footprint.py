@@ -15,8 +15,9 @@ from pdserve.common.models.quant.packed import PackedWeight
 
 def weights_footprint(model: nn.Module) -> WeightsFootprint:
     """Resident bytes of every parameter, GGUF-packed weight (the packed linears' parts, the
-    packed embedding's) and oneDNN prepacked weight (`packed`: cpu_gemm.py), each storage counted once (a tied head
-    shares the embedding's), beside the bytes all of them take as fp32."""
+    packed embedding's) and oneDNN prepacked weight (`packed`: cpu_gemm.py), each storage
+    counted once (a tied head shares the embedding's), beside the bytes all of them take as
+    fp32."""
     seen: set[int] = set()
     resident = fp32 = 0
 
