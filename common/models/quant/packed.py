@@ -1,8 +1,8 @@
 """GGUF block-quantized weights kept packed in memory (`PackedWeight`), and their expansion.
 
 A packed weight is the GGUF tensor's bytes, row by row: [N, K / block_size * block_bytes] uint8
-for a logical [N, K] fp32 matrix, blocks along K of 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or
-super-blocks of 256 (the K-quants Q2_K .. Q6_K: 8 sub-blocks of 32 with their own scales;
+for a logical [N, K] fp32 matrix, blocks along K of 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+or super-blocks of 256 (the K-quants Q2_K .. Q6_K: 8 sub-blocks of 32 with their own scales;
 every kernel walks K in 32-weight sub-blocks). Rows can be reordered and concatenated
 without touching a block (llama.cpp's Q/K row permutation, the fused q/k/v and gate/up
 projections), which is all loading needs.
