@@ -104,13 +104,11 @@ class Rank0Head:
         self.cut, self.vocab_size, self.hidden = cut, model.vocab_size, model.hidden_size
         _, w = _weight(weights, model)
         self.head = ParallelLMHead(model.hidden_size, cut)  # the last stage's layer type
-        part = _rows(w, 0, cut)
-        if isinstance(part, PackedWeight):
-            self.head.load_packed(PackedWeight(part.qtype, part.data.clone(),
-                                               part.in_features))
+        if isinstance(w, PackedWeight):
+            self.head.load_packed(w.rows(0, cut))  # a copy: the whole head can be freed
             self.head.finish_loading()
         else:
-            self.head.weight_loader(self.head.weight, part.float())
+            self.head.weight_loader(self.head.weight, w[:cut].float())
         self.head.to(device=device).eval()
         if self.head.weight is not None and resolve_cpu_gemm(config.cpu_gemm, device) == "onednn":
             self.head.pack_onednn()  # as pack_linears does for the last stage's head

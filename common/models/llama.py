@@ -16,9 +16,9 @@ from pdserve.common.attention.backend import AttentionBackend, AttentionMetadata
 from pdserve.common.config import ModelConfig
 from pdserve.common.distributed.layout import (SINGLE, WHOLE_MODEL, PipelineStage,
                                               TensorParallel, check_pp_split, check_tp_split,
-                                              kv_head_range, vocab_shard)
+                                              kv_head_range)
 from pdserve.common.models.linear import (MergedColumnParallelLinear, PackedLoading,
-                                          QKVParallelLinear, RowParallelLinear)
+                                          QKVParallelLinear, RowParallelLinear, even_shard)
 from pdserve.common.models.packed_layer import DecodeStep, PackedLayer, PackedLinear
 from pdserve.common.models.packed_stack import PackedStack
 from pdserve.common.models.quant.cpu_native import load_packed_kernels
@@ -42,6 +42,14 @@ class RMSNorm(nn.Module):
         return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
+def query_features(cfg: ModelConfig, rank: int, size: int) -> tuple[int, int]:
+    """(start, length) of rank `rank` of `size`'s query features: its KV heads' groups (the
+    input features of its part of o_proj)."""
+    first, count = kv_head_range(cfg.num_kv_heads, rank, size)
+    width = cfg.num_heads // cfg.num_kv_heads * cfg.head_dim
+    return first * width, count * width
+
+
 class Attention(nn.Module):
     """This rank's heads only: its KV heads (layout.kv_head_range) and their query heads."""
 
@@ -56,7 +64,7 @@ class Attention(nn.Module):
                                           kv_heads=(first, count))
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp_rank=tp.rank,
                                         tp_size=tp.size, comm=tp.comm,
-                                        in_shard=(first * group * d, count * group * d))
+                                        in_shard=query_features(cfg, tp.rank, tp.size))
         self.backend, self.rope = backend, rope
         self.scale = cfg.head_dim ** -0.5
         self._comm = tp.comm if tp.size > 1 else None
@@ -156,12 +164,9 @@ def tp_keeps_packed(cfg: ModelConfig, name: str, w: PackedWeight, tp_size: int) 
     KV plan's estimate, before any rank builds its shard): always but for a row-parallel
     linear (o, down) whose input split falls inside a block on some rank (`keeps_packed`)."""
     if name.endswith("o_proj.weight"):
-        group, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-        splits = [(first * group * d, count * group * d) for first, count in
-                  (kv_head_range(cfg.num_kv_heads, r, tp_size) for r in range(tp_size))]
+        splits = [query_features(cfg, r, tp_size) for r in range(tp_size)]
     elif name.endswith("down_proj.weight"):
-        n = w.in_features // tp_size
-        splits = [(r * n, n) for r in range(tp_size)]
+        splits = [even_shard(w.in_features, r, tp_size, "in_features") for r in range(tp_size)]
     else:
         return True
     return all(w.splits_at(start, n) for start, n in splits)
@@ -365,9 +370,9 @@ class LlamaForCausalLM(nn.Module):
                     w.out_features != self.config.vocab_size):
                 raise ValueError(f"weight {name!r} has shape {w.shape}, expected "
                                  f"{(self.config.vocab_size, self.embed_tokens.weight.shape[1])}")
-            rows = vocab_shard(w.out_features, self.tp.size)
-            part = w if self.tp.size == 1 else w.padded_rows(self.tp.rank * rows, rows)
-            self.embed_tokens = PackedEmbedding(part, self.tp, self.tp.rank * rows)
+            embed = self.embed_tokens  # the fp32 placeholder knows this rank's rows
+            part = w if self.tp.size == 1 else w.padded_rows(embed.start, embed.shard)
+            self.embed_tokens = PackedEmbedding(part, self.tp, embed.start)
             if self.config.tie_word_embeddings and self.pp.is_last:  # the head: same blocks
                 self.lm_head.load_rank_part(part)
             return True
