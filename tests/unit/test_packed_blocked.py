@@ -38,7 +38,7 @@ def blocked_reference(ref: torch.Tensor, layout: BlockedLayout) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0,
-                                   QType.Q4_K], ids=lambda q: q.name)
+                                   QType.Q4_K, QType.IQ4_NL, QType.IQ4_XS], ids=lambda q: q.name)
 # 64 and 16: whole vectors (register transposes); 8: whole vectors in the AVX2 build only;
 # 5: element by element. n = 37 / 70 leave the last block part padding.
 @pytest.mark.parametrize("ob,n", [(64, 70), (16, 37), (8, 37), (5, 37)])

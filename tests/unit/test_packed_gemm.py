@@ -1,6 +1,6 @@
-"""Packed GGUF weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; the K-quants: test_packed_kquants.py):
-expansion equals gguf-py's dequantize bit for bit, and x @ W^T on every path equals the
-dequantized fp32 GEMM up to summation order.
+"""Packed GGUF weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; the K-quants and IQ4_XS:
+test_packed_kquants.py): expansion equals gguf-py's dequantize bit for bit, and x @ W^T on every
+path equals the dequantized fp32 GEMM up to summation order.
 
 The reference is `gguf.quants.dequantize` (what the fp32 path loads and transformers uses) and
 torch's fp32 matmul in float64 (so the tolerance only has to cover our summation order). Odd M
@@ -18,7 +18,7 @@ from pdserve.common.models.quant.packed import PackedWeight, QType
 from pdserve.tests.unit.packed_helpers import LARGE_M, make_weight, reference, tol
 
 torch.set_num_threads(2)
-QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0]
+QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.IQ4_NL]
 # M < 4: blocks expanded per row (Q4_0 / Q4_1 by table lookup on AVX-512, the scales of a row
 # widened 16 at a time: K = 576 and 1536 cover partial and whole groups of 16 blocks)
 SHAPES = [(1, 1, 32), (1, 7, 64), (3, 33, 96), (2, 9, 576), (1, 40, 1536), (5, 64, 576),

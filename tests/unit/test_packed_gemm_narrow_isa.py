@@ -1,8 +1,8 @@
 """The packed GEMM's narrower builds pass the same tests as this machine's own build (the
-Q4_0 / Q4_1 / Q8_0 and the K-quant kernel tests, and the packed layer's engine tests, which run
-the one-call decoder layer; not the Triton tests, nor the dispatch tests: past the switch they
-run `dequantize`, which the expansion tests cover, and a fp32 GEMM that does not depend on the
-build).
+Q4_0 .. Q8_0, IQ4_NL and the K-quant / IQ4_XS kernel tests, and the packed layer's engine tests,
+which run the one-call decoder layer; not the Triton tests, nor the dispatch tests: past the
+switch they run `dequantize`, which the expansion tests cover, and a fp32 GEMM that does not
+depend on the build).
 
 PDSERVE_CPU_ISA=avx2|scalar caps the instruction set (quant/cpu_native.py reuses the attention
 kernels' flags): the AVX2 variant (8-lane blocks, 2-row tiles) and the plain C++ fallback. Each
@@ -38,7 +38,7 @@ def test_narrow_build_passes_the_packed_gemm_tests(isa):
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "tests/unit/test_packed_gemm.py", "tests/unit/test_packed_kquants.py",
                           "tests/unit/test_packed_layer.py", "tests/unit/test_packed_stack.py",
-                          "tests/unit/test_packed_blocked.py",
+                          "tests/unit/test_packed_blocked.py", "tests/unit/test_packed_iq4_nl.py",
                           # (and_fp32: its prompt-step count assumes this CPU's own switch point)
                           "-k", "not triton and not decodes and not dispatch and not and_fp32"],
                          cwd=ROOT, env=env,

@@ -1,6 +1,7 @@
-"""K-quant packed weights (Q2_K .. Q6_K: 256-weight super-blocks of 8 sub-blocks of 32).
+"""K-quant packed weights (Q2_K .. Q6_K: 256-weight super-blocks of 8 sub-blocks of 32), and
+IQ4_XS (IQ4_NL's grid in the same super-blocks).
 
-gguf-py has no K-quant quantizer, so the weights are random valid blocks built from bytes
+gguf-py has no quantizer for them, so the weights are random valid blocks built from bytes
 (kquant_helpers.py). Checked: the torch and native expansions equal `gguf.quants.dequantize` bit
 for bit; the native kernel (register path under 4 rows, panel path from 4 on, the large-M
 expand + GEMM path) and the Triton kernel (interpreted) equal the fp32 GEMM of the dequantized
@@ -99,13 +100,15 @@ def test_kquant_width_must_be_whole_super_blocks():
 H, HEADS, KV_HEADS, INTER, VOCAB = 256, 4, 2, 512, 320
 # rough |weight| per unit of the fp16 scale, to give every type weights ~ 1 / sqrt(K)
 _SPREAD = {QType.Q2_K: 18.0, QType.Q3_K: 38.0, QType.Q4_K: 300.0, QType.Q5_K: 600.0,
-           QType.Q6_K: 1500.0}
+           QType.Q6_K: 1500.0, QType.IQ4_XS: 800.0}
 
 
 def storage_type(name: str) -> QType:
     """Layer 0: Q4_K, v and down Q6_K (as Q4_K_M files mix them), o Q3_K; layer 1: Q5_K,
-    gate / up Q2_K, down Q6_K; embedding Q6_K, LM head Q4_K."""
+    o IQ4_XS, gate / up Q2_K, down Q6_K; embedding Q6_K, LM head Q4_K."""
     part = name.split(".")[-2]
+    if part == "o_proj" and "layers.1." in name:
+        return QType.IQ4_XS
     if part == "down_proj" or part == "embed_tokens" or (part == "v_proj" and "layers.0." in name):
         return QType.Q6_K
     if part == "o_proj" and "layers.0." in name:
@@ -148,6 +151,7 @@ def test_kquant_gguf_loads_packed_and_decodes_like_fp32(tmp_path, tied):
     assert layer0.mlp.down_proj.packed_weight.qtype == QType.Q6_K
     assert layer1.self_attn.qkv_proj.packed_weight.qtype == QType.Q5_K
     assert layer0.self_attn.o_proj.packed_weight.qtype == QType.Q3_K
+    assert layer1.self_attn.o_proj.packed_weight.qtype == QType.IQ4_XS
     assert layer1.mlp.gate_up_proj.packed_weight.qtype == QType.Q2_K
     qkv0 = layer0.self_attn.qkv_proj  # Q4_K q/k with a Q6_K v, as a Q4_K_M file: two parts
     assert qkv0.weight is None and [p.qtype for p in qkv0.packed_parts] == [QType.Q4_K,

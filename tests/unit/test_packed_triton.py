@@ -15,8 +15,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0],
-                         ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0,
+                                   QType.IQ4_NL], ids=lambda q: q.name)
 @pytest.mark.parametrize("m,n,k", [(1, 5, 32), (3, 70, 64), (17, 9, 96)], ids=str)
 def test_triton_matches_fp32_gemm(device, qtype, m, n, k):
     w, ref = make_weight(qtype, n, k, seed=m * n)

@@ -1,10 +1,10 @@
 """GGUF block-quantized weights kept packed in memory (`PackedWeight`), and their expansion.
 
 A packed weight is the GGUF tensor's bytes, row by row: [N, K / block_size * block_bytes] uint8
-for a logical [N, K] fp32 matrix, blocks along K of 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
-or super-blocks of 256 (the K-quants Q2_K .. Q6_K: 8 sub-blocks of 32 with their own scales;
-every kernel walks K in 32-weight sub-blocks). Rows can be reordered and concatenated
-without touching a block (llama.cpp's Q/K row permutation, the fused q/k/v and gate/up
+for a logical [N, K] fp32 matrix, blocks along K of 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+IQ4_NL) or super-blocks of 256 (the K-quants Q2_K .. Q6_K and IQ4_XS: 8 sub-blocks of 32 with
+their own scales; every kernel walks K in 32-weight sub-blocks). Rows can be reordered and
+concatenated without touching a block (llama.cpp's Q/K row permutation, the fused q/k/v and gate/up
 projections), which is all loading needs.
 
 `dequantize` reproduces gguf-py's `gguf.quants.dequantize` bit for bit (the products d * q are
@@ -40,6 +40,8 @@ class QType(enum.IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ4_NL = 20
+    IQ4_XS = 23
 
     @property
     def block_bytes(self) -> int:
@@ -69,7 +71,12 @@ _LAYOUT = {QType.Q4_0: (32, 18, (0,)), QType.Q4_1: (32, 20, (0, 2)), QType.Q5_0:
            QType.Q5_1: (32, 24, (0, 2)), QType.Q8_0: (32, 34, (0,)),
            QType.Q2_K: (QK_K, 84, (80, 82)), QType.Q3_K: (QK_K, 110, (108,)),
            QType.Q4_K: (QK_K, 144, (0, 2)), QType.Q5_K: (QK_K, 176, (0, 2)),
-           QType.Q6_K: (QK_K, 210, (208,))}
+           QType.Q6_K: (QK_K, 210, (208,)), QType.IQ4_NL: (32, 18, (0,)),
+           QType.IQ4_XS: (QK_K, 136, (0,))}
+
+# IQ4_NL's non-linear grid: a block's nibble q stands for d * IQ4_NL_GRID[q] (gguf-py's
+# IQ4_NL.kvalues, llama.cpp's kvalues_iq4nl)
+IQ4_NL_GRID = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 @dataclass(frozen=True, eq=False)
@@ -224,6 +231,25 @@ def _expand_q5_1(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 24] -> [R, nb, 32]
     return _half(b[..., 0:2]) * _q5_quants(b, 4) + _half(b[..., 2:4])
 
 
+def _expand_iq4_nl(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 18] -> [R, nb, 32]
+    qs = b[..., 2:]
+    index = torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()
+    grid = torch.tensor(IQ4_NL_GRID, dtype=torch.float32, device=b.device)
+    return _half(b[..., 0:2]) * grid[index]  # exact: an fp16 times a level of at most 8 bits
+
+
+def _expand_iq4_xs(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 136] -> [R, nb, 256]
+    lo = torch.stack([b[..., 4:8] & 0x0F, b[..., 4:8] >> 4], dim=-1).flatten(-2)  # [R, nb, 8]
+    h = b[..., 2].int() | (b[..., 3].int() << 8)  # scales_h, little-endian
+    hi = (h.unsqueeze(-1) >> (2 * torch.arange(8, device=b.device))) & 3
+    ls = lo.int() | (hi << 4)
+    dl = _half(b[..., 0:2]) * (ls - 32).float()  # [R, nb, 8], exact
+    qs = b[..., 8:].reshape(*b.shape[:-1], 8, 16)
+    index = torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()  # [R, nb, 8, 32]
+    grid = torch.tensor(IQ4_NL_GRID, dtype=torch.float32, device=b.device)
+    return (dl.unsqueeze(-1) * grid[index]).flatten(-2)
+
+
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """[..., 16] bytes -> [..., 32] fp32: element j low nibble, j + 16 high nibble."""
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
@@ -301,7 +327,8 @@ def _expand_q3_k(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 110] -> [R, nb, 25
 _EXPAND = {QType.Q4_0: _expand_q4_0, QType.Q4_1: _expand_q4_1, QType.Q5_0: _expand_q5_0,
            QType.Q5_1: _expand_q5_1, QType.Q8_0: _expand_q8_0,
            QType.Q2_K: _expand_q2_k, QType.Q3_K: _expand_q3_k,
-           QType.Q4_K: _expand_q4_k, QType.Q5_K: _expand_q5_k, QType.Q6_K: _expand_q6_k}
+           QType.Q4_K: _expand_q4_k, QType.Q5_K: _expand_q5_k, QType.Q6_K: _expand_q6_k,
+           QType.IQ4_NL: _expand_iq4_nl, QType.IQ4_XS: _expand_iq4_xs}
 
 
 def _half(two_bytes: torch.Tensor) -> torch.Tensor:

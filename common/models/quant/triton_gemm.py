@@ -1,7 +1,8 @@
 """The packed-weight GEMM on CUDA (Triton): y = x @ W^T (+ bias) (+ residual), W GGUF-packed.
 
 Grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)). A program walks K one 32-weight (sub-)block at a
-time (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks, or the 8 sub-blocks of a K-quant super-block): it
+time (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL blocks, or the 8 sub-blocks of a K-quant or
+IQ4_XS super-block): it
 loads its BLOCK_N rows' scale (and min) and quants, expands them to fp32 in registers exactly as
 gguf-py dequantizes (quant/packed.py; a K-quant's sub-block scale d * sc and min dmin * m are
 exact products, so d_s * q - m_s rounds once, fused or not), and accumulates x_tile @ w_tile^T
@@ -18,7 +19,7 @@ import torch
 import triton.language as tl
 
 from pdserve.common.attention.triton_kernels._launch import device_kernel, pow2
-from pdserve.common.models.quant.packed import SUB_BLOCK, PackedWeight, QType
+from pdserve.common.models.quant.packed import IQ4_NL_GRID, SUB_BLOCK, PackedWeight, QType
 
 
 @device_kernel
@@ -31,6 +32,8 @@ def _packed_gemm_kernel(
     M, N, NUM_SUBS, stride_xm, row_bytes, stride_rm,
     QT: tl.constexpr, BLOCK_BYTES: tl.constexpr, SUBS: tl.constexpr, QS_OFFSET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    IQ4_GRID_0: tl.constexpr, IQ4_GRID_1: tl.constexpr, IQ4_GRID_2: tl.constexpr,
+    IQ4_GRID_3: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -113,6 +116,20 @@ def _packed_gemm_kernel(
                  | (tl.load(blk + 209, mask=n_mask, other=0).to(tl.uint16) << 8)
                  ).to(tl.float16, bitcast=True).to(tl.float32)
             w = (d[:, None] * sc) * q.to(tl.float32)
+        elif QT == 23:  # IQ4_XS: (d * (ls[s] - 32)) * grid[q], sub-block s's nibbles at 8 + 16 s
+            d = (tl.load(blk, mask=n_mask, other=0).to(tl.uint16)
+                 | (tl.load(blk + 1, mask=n_mask, other=0).to(tl.uint16) << 8)
+                 ).to(tl.float16, bitcast=True).to(tl.float32)
+            sh = (tl.load(blk + 2, mask=n_mask, other=0).to(tl.int32)
+                  | (tl.load(blk + 3, mask=n_mask, other=0).to(tl.int32) << 8))
+            sl = tl.load(blk + 4 + s // 2, mask=n_mask, other=0).to(tl.int32)
+            ls = ((sl >> (4 * (s % 2))) & 15) | (((sh >> (2 * s)) & 3) << 4)
+            dl = d * (ls - 32).to(tl.float32)  # exact
+            nib = ((tl.load(blk[:, None] + 8 + 16 * s + q_byte[None, :], mask=wmask, other=0
+                            ).to(tl.int64) >> q_shift[None, :].to(tl.int64)) & 15)
+            word = tl.where(nib < 4, IQ4_GRID_0, tl.where(nib < 8, IQ4_GRID_1, tl.where(
+                nib < 12, IQ4_GRID_2, IQ4_GRID_3)))
+            w = dl[:, None] * (((word >> (8 * (nib % 4))) & 255) - 128).to(tl.float32)
         else:
             d_bits = (tl.load(blk, mask=n_mask, other=0).to(tl.uint16)
                       | (tl.load(blk + 1, mask=n_mask, other=0).to(tl.uint16) << 8))
@@ -124,12 +141,19 @@ def _packed_gemm_kernel(
                 w = d[:, None] * q
             else:
                 q = ((raw >> q_shift[None, :].to(tl.uint8)) & 0x0F).to(tl.float32)
+                if QT == 20:  # IQ4_NL: grid[q] + 128 is byte q % 4 of word q // 4
+                    nib = q.to(tl.int64)
+                    word = tl.where(nib < 4, IQ4_GRID_0, tl.where(nib < 8, IQ4_GRID_1, tl.where(
+                        nib < 12, IQ4_GRID_2, IQ4_GRID_3)))
+                    q = (((word >> (8 * (nib % 4))) & 255) - 128).to(tl.float32)
                 if QT == 6 or QT == 7:  # Q5_0 / Q5_1: bit j of qh (before the nibbles) is bit 4
                     qh = (tl.load(blk[:, None] + QS_OFFSET - 4 + j[None, :] // 8, mask=wmask,
                                   other=0).to(tl.int32) >> (j[None, :] % 8)) & 1
                     q = q + 16.0 * qh.to(tl.float32)
                 if QT == 6:  # Q5_0: d * (q - 16), exact
                     w = d[:, None] * (q - 16.0)
+                elif QT == 20:  # IQ4_NL: d * grid[q], exact
+                    w = d[:, None] * q
                 elif QT == 3 or QT == 7:  # Q4_1 / Q5_1: d * q + m (one rounding, as numpy)
                     m_bits = (tl.load(blk + 2, mask=n_mask, other=0).to(tl.uint16)
                               | (tl.load(blk + 3, mask=n_mask, other=0).to(tl.uint16) << 8))
@@ -148,6 +172,10 @@ def _packed_gemm_kernel(
                        other=0.0)
     tl.store(out_ptr + m[:, None].to(tl.int64) * N + n[None, :], acc, mask=mask)
 
+
+# IQ4_NL's 16 levels + 128 (0..241), four bytes to a word: a table without a table argument
+_IQ4_WORDS = tuple(sum((IQ4_NL_GRID[4 * w + i] + 128) << (8 * i) for i in range(4))
+                   for w in range(4))
 
 # byte offset of the quants in a block (sub-block 0's low bits, for Q2_K .. Q5_K); 2 otherwise
 # (Q6_K's offsets are in the kernel)
@@ -178,5 +206,7 @@ def triton_packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | 
         QT=int(w.qtype), BLOCK_BYTES=w.qtype.block_bytes,
         SUBS=w.qtype.block_size // SUB_BLOCK, QS_OFFSET=_QS_OFFSET.get(w.qtype, 2),
         BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_BIAS=bias is not None, HAS_RES=residual is not None)
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        IQ4_GRID_0=_IQ4_WORDS[0], IQ4_GRID_1=_IQ4_WORDS[1], IQ4_GRID_2=_IQ4_WORDS[2],
+        IQ4_GRID_3=_IQ4_WORDS[3])
     return out

@@ -1,5 +1,5 @@
-// Packed-weight GEMM for GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the
-// K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), exact fp32 arithmetic:
+// Packed-weight GEMM for GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL,
+// IQ4_XS and the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), exact fp32 arithmetic:
 //   packed_gemm   out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) (+ residual[m, n])
 //   dequantize    the fp32 rows of a packed weight (for large-M GEMMs and embedding lookups)
 //   dequantize_blocked  the whole weight in oneDNN's blocked layout (the largest-M GEMMs;
@@ -12,13 +12,16 @@
 //
 // Layout: the weight is [N, row_bytes] uint8, each row its blocks back to back, as in the GGUF
 // file (GGML type ids: Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11,
-// Q4_K = 12, Q5_K = 13, Q6_K = 14).
+// Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23).
 //   Q4_0 (18 bytes / 32): fp16 d, 16 bytes of nibbles; w[i] = d * (q[i] - 8)
 //   Q4_1 (20 bytes / 32): fp16 d, fp16 m, 16 bytes of nibbles; w[i] = d * q[i] + m
 //   Q5_0 (22 bytes / 32): fp16 d, 4 bytes qh (bit i: bit 4 of element i), 16 bytes of nibbles;
 //     w[i] = d * (q[i] - 16)   (exact)
 //   Q5_1 (24 bytes / 32): fp16 d, fp16 m, qh, nibbles; w[i] = d * q[i] + m   (one rounding)
 //   Q8_0 (34 bytes / 32): fp16 d, 32 int8; w[i] = d * q[i]
+//   IQ4_NL (18 bytes / 32): fp16 d, 16 bytes of nibbles; w[i] = d * grid[q[i]], the grid 16 int8
+//     levels from -127 to 113 (what llama.cpp's Q2_K / Q3_K files hold for rows narrower than
+//     256)   (exact)
 //   Nibble order: byte j holds element j (low nibble) and element j + 16 (high nibble).
 // K-quants: super-blocks of 256 weights = 8 sub-blocks of 32, each expanded like a block above.
 //   Q2_K (84 bytes): scales[16] (one byte per 16 weights: low nibble sc, high nibble m), qs[64]
@@ -34,6 +37,10 @@
 //     i of sub-block s) and the nibbles after qh
 //   Q6_K (210 bytes): ql[128] (4 low bits), qh[64] (2 high bits), int8 scales[16] (one per 16
 //     weights), fp16 d; w = (d * scale[e / 16]) * (q - 32)
+//   IQ4_XS (136 bytes, IQ4_NL's grid in super-blocks): fp16 d, uint16 scales_h, 4 bytes
+//     scales_l, 128 bytes of nibbles (sub-block s: 16 bytes at 8 + 16 s, Q4_0's order);
+//     w = (d * (ls[s] - 32)) * grid[q], ls 6 bits (scales_l nibble s, scales_h bits 2 s)
+//     (d * (ls - 32) exact: one rounding)
 //
 // ISA: AVX-512 (16 lanes), AVX2 + FMA (8 lanes) or plain C++, chosen at build time by the
 // compile flags (quant/cpu_native.py). The K-quant bit unpacking is AVX2 code (256-bit byte

@@ -30,21 +30,41 @@ namespace {
 constexpr int QK = 32;  // weights per (sub-)block: the unit every path expands
 enum QType : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12,
-  kQ5_K = 13, kQ6_K = 14
+  kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23
 };
 
 constexpr bool is_kquant(int64_t qt) { return qt >= kQ2_K && qt <= kQ6_K; }
 constexpr bool is_q5(int64_t qt) { return qt == kQ5_0 || qt == kQ5_1; }
+constexpr bool is_iq4(int64_t qt) { return qt == kIQ4_NL || qt == kIQ4_XS; }
 constexpr bool valid_qtype(int64_t qt) {
-  return qt == kQ4_0 || qt == kQ4_1 || qt == kQ8_0 || is_q5(qt) || is_kquant(qt);
+  return qt == kQ4_0 || qt == kQ4_1 || qt == kQ8_0 || is_q5(qt) || is_kquant(qt) || is_iq4(qt);
 }
-constexpr int subs(int64_t qt) { return is_kquant(qt) ? 8 : 1; }  // sub-blocks per block
+// the types whose vector expansion goes through kq_quants (32 quant bytes) and expand_k
+constexpr bool byte_quants(int64_t qt) { return is_kquant(qt) || is_q5(qt) || is_iq4(qt); }
+// sub-blocks of 32 per block: the K-quants' and IQ4_XS's super-blocks of 256 hold 8
+constexpr int subs(int64_t qt) { return is_kquant(qt) || qt == kIQ4_XS ? 8 : 1; }
 constexpr int64_t block_size(int64_t qt) { return QK * subs(qt); }
 constexpr int64_t block_bytes(int64_t qt) {
   return qt == kQ4_0 ? 18 : qt == kQ4_1 ? 20 : qt == kQ5_0 ? 22 : qt == kQ5_1 ? 24
        : qt == kQ8_0 ? 34 : qt == kQ2_K ? 84
-       : qt == kQ3_K ? 110 : qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : qt == kQ6_K ? 210 : 0;
+       : qt == kQ3_K ? 110 : qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : qt == kQ6_K ? 210
+       : qt == kIQ4_NL ? 18 : qt == kIQ4_XS ? 136 : 0;
 }
+
+// IQ4_NL (18 bytes / 32: fp16 d, 16 bytes of nibbles in Q4_0's order): w[i] = d * kIQ4NL[q[i]],
+// a non-linear grid of int8 levels (gguf-py's IQ4_NL.kvalues); the product is exact in fp32.
+// IQ4_XS (136 bytes / 256): fp16 d, uint16 scales_h, 4 bytes scales_l, 128 bytes of nibbles
+// (sub-block s: bytes 8 + 16 s .., Q4_0's order); w = (d * (ls[s] - 32)) * kIQ4NL[q], ls the
+// 6-bit scale (low nibble of scales_l byte s / 2, then bits 2 s of scales_h); d * (ls - 32) is
+// exact, the product with the level rounds once, as in numpy.
+alignas(16) constexpr int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                           1,    13,   25,  38,  53,  69,  89,  113};
+// the 4-bit types whose 16 possible weights per block make a lookup table (dot_q4_lut)
+constexpr bool lut4(int64_t qt) { return qt == kQ4_0 || qt == kQ4_1 || is_iq4(qt); }
+
+// The byte offset of (sub-)block s's 16 nibble bytes in its block (the 4-bit types).
+template <int64_t QT>
+constexpr int nibble_offset(int s) { return QT == kIQ4_XS ? 8 + 16 * s : QT == kQ4_1 ? 4 : 2; }
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -54,6 +74,16 @@ inline float half_at(const uint8_t* p) {
 #else
   return c10::detail::fp16_ieee_to_fp32_value(h);
 #endif
+}
+
+// IQ4_XS sub-block s's scale d * (ls - 32) (exact), IQ4_NL's d.
+template <int64_t QT>
+inline float iq4_scale(const uint8_t* b, int s) {
+  if constexpr (QT == kIQ4_NL) return half_at(b);
+  uint16_t h;
+  std::memcpy(&h, b + 2, 2);
+  const int ls = ((b[4 + s / 2] >> (4 * (s % 2))) & 0x0F) | (((h >> (2 * s)) & 3) << 4);
+  return half_at(b) * static_cast<float>(ls - 32);
 }
 
 // Q4_K / Q5_K sub-block s: scale d * sc[s] and min dmin * m[s] (6-bit sc, m packed in bytes
@@ -98,11 +128,14 @@ constexpr int q5_qh() { return QT == kQ5_0 ? 2 : 4; }
 template <int64_t QT>
 constexpr int q5_qs() { return q5_qh<QT>() + 4; }
 
-// The 32 quants of K-quant sub-block s (or of a Q5_0 / Q5_1 block), as integers (Q2_K 0..3,
-// Q3_K -4..3, Q4_K 0..15, Q5_K 0..31, Q6_K -32..31, Q5_0 -16..15, Q5_1 0..31).
+// The 32 quants of K-quant sub-block s (or of a Q5_0 / Q5_1 / IQ4_NL block), as integers
+// (Q2_K 0..3, Q3_K -4..3, Q4_K 0..15, Q5_K 0..31, Q6_K -32..31, Q5_0 -16..15, Q5_1 0..31,
+// IQ4_NL the grid's levels -127..113).
 template <int64_t QT>
 inline int kq_quant(const uint8_t* b, int s, int i) {
-  if constexpr (is_q5(QT)) {
+  if constexpr (is_iq4(QT)) {
+    return kIQ4NL[(b[nibble_offset<QT>(s) + i % 16] >> (4 * (i / 16))) & 0x0F];
+  } else if constexpr (is_q5(QT)) {
     uint32_t qh;
     std::memcpy(&qh, b + q5_qh<QT>(), 4);
     const int q = ((b[q5_qs<QT>() + i % 16] >> (4 * (i / 16))) & 0x0F) | (((qh >> i) & 1) << 4);
@@ -128,8 +161,10 @@ inline int kq_quant(const uint8_t* b, int s, int i) {
 // variant matches.
 template <int64_t QT>
 inline void expand_scalar(const uint8_t* b, int s, float* w) {
-  if constexpr (is_q5(QT)) {  // Q5_0: d * q, exact; Q5_1: fma(d, q, m), one rounding as numpy
-    const float d = half_at(b), m = QT == kQ5_1 ? half_at(b + 2) : 0.f;
+  // Q5_0 and IQ4_NL: d * q, exact; IQ4_XS: d_s * q; Q5_1: fma(d, q, m), one rounding as numpy
+  if constexpr (is_q5(QT) || is_iq4(QT)) {
+    const float d = is_iq4(QT) ? iq4_scale<QT>(b, s) : half_at(b);
+    const float m = QT == kQ5_1 ? half_at(b + 2) : 0.f;
     for (int i = 0; i < QK; ++i)
       w[i] = QT == kQ5_1 ? std::fma(d, static_cast<float>(kq_quant<QT>(b, s, i)), m)
                          : d * static_cast<float>(kq_quant<QT>(b, s, i));
@@ -181,7 +216,16 @@ inline __m256i load32(const uint8_t* p) {
 // uint8).
 template <int64_t QT>
 inline __m256i kq_quants(const uint8_t* b, int s) {
-  if constexpr (is_q5(QT)) {  // nibbles, then bit i of qh as bit 4 of byte i (llama.cpp's way)
+  if constexpr (is_iq4(QT)) {  // nibbles, then each looked up in the grid (one byte shuffle)
+    const __m128i qs =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + nibble_offset<QT>(s)));
+    const __m128i lo4 = _mm_set1_epi8(0x0F);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), lo4),
+                                         _mm_and_si128(qs, lo4));
+    const __m256i grid =
+        _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4NL)));
+    return _mm256_shuffle_epi8(grid, nib);
+  } else if constexpr (is_q5(QT)) {  // nibbles, then bit i of qh as bit 4 of byte i (llama.cpp)
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + q5_qs<QT>()));
     const __m128i lo4 = _mm_set1_epi8(0x0F);
     const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), lo4),
@@ -240,7 +284,7 @@ inline vec vset1(float f) { return _mm512_set1_ps(f); }
 
 template <int64_t QT>
 inline void expand(const uint8_t* b, int s, vec* w) {  // 2 vectors
-  if constexpr (is_kquant(QT) || is_q5(QT)) {
+  if constexpr (byte_quants(QT)) {
     expand_k<QT>(b, s, w);
     return;
   }
@@ -296,7 +340,7 @@ inline vec vset1(float f) { return _mm256_set1_ps(f); }
 
 template <int64_t QT>
 inline void expand(const uint8_t* b, int s, vec* w) {  // 4 vectors
-  if constexpr (is_kquant(QT) || is_q5(QT)) {
+  if constexpr (byte_quants(QT)) {
     expand_k<QT>(b, s, w);
     return;
   }
@@ -347,14 +391,14 @@ inline void expand(const uint8_t* b, int s, vec* w) {  // 4 vectors
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-// K-quant sub-block s (or a Q5_0 / Q5_1 block): unpack its 32 quant bytes (AVX2 byte ops,
+// K-quant sub-block s (or a Q5_0 / Q5_1 / IQ4_NL block): unpack its 32 quant bytes (AVX2 byte ops,
 // either vector build), widen them to 32 / VL vectors and scale: fma(d * sc, q, -(dmin * m)),
 // or Q3_K's and Q6_K's (d * scale) * q; Q2_K, Q3_K and Q6_K change scale every 16 weights.
 template <int64_t QT, typename V>
 inline void expand_k(const uint8_t* b, int s, V* w) {
   const __m256i q = kq_quants<QT>(b, s);
-  if constexpr (QT == kQ5_0) {  // d * q, exact
-    const V d = vset1(half_at(b));
+  if constexpr (QT == kQ5_0 || is_iq4(QT)) {  // d * q: exact, or (IQ4_XS) one rounding
+    const V d = vset1(QT == kQ5_0 ? half_at(b) : iq4_scale<QT>(b, s));
     for (int j = 0; j < QK / VL; ++j) w[j] = vmul(d, i8_to_f(lane_bytes(q, j)));
   } else if constexpr (QT == kQ5_1) {  // fma(d, q, m): one rounding, as numpy's d * q + m
     const V d = vset1(half_at(b)), m = vset1(half_at(b + 2));
@@ -453,9 +497,10 @@ inline void dot_tile(const Gemm& g, int64_t n, int64_t m0) {
 
 
 #if defined(__AVX512F__)
-// Q4_0 / Q4_1 at few activation rows (decode, AVX-512) by table lookup. A block's 16 possible
-// weights are one vector, table[q] = fma(d, q, m) (Q4_1) or d * (q - 8) (Q4_0): the values
-// expand() computes per element, bit for bit. Each weight is then one lane of a vpermps (which
+// Q4_0 / Q4_1 / IQ4_NL / IQ4_XS at few activation rows (decode, AVX-512) by table lookup. A
+// (sub-)block's 16 possible weights are one vector, table[q] = fma(d, q, m) (Q4_1),
+// d * (q - 8) (Q4_0) or d_s * grid[q] (IQ4_NL, IQ4_XS): the values expand() computes per
+// element, bit for bit. Each weight is then one lane of a vpermps (which
 // reads only the low 4 bits of each index lane, so the widened bytes index the low nibbles
 // unmasked): 1 widening, 1 shift, 2 permutes and 1 FMA per 32 weights, where converting the
 // nibbles to floats took ~3x the uops.
@@ -476,24 +521,54 @@ inline vec q4_table_d(const uint8_t* b, vec& m) {  // -> d in every lane; m: m i
   return _mm512_permute_ps(both, 0x00);
 }
 
+// An IQ4_XS super-block's 8 sub-block scales d * (ls - 32) (each what iq4_scale gives), at once.
+// Against iq4_scale per sub-block, a SmolLM2 whose ffn_down is IQ4_XS ran its whole batch-1
+// step 1.10x faster (bench/kernel_ab.py, Zen 5, 9 of 12 rounds). In little-endian order
+// sub-block s's low 4 bits are bits 4 s of scales_l's 32 bits, its high 2 bits 2 s of
+// scales_h's 16.
+inline void iq4_xs_scales(const uint8_t* b, float* out) {
+  uint16_t h;
+  uint32_t l;
+  std::memcpy(&h, b + 2, 2);
+  std::memcpy(&l, b + 4, 4);
+  const __m256i lo = _mm256_and_si256(
+      _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(l)),
+                        _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+      _mm256_set1_epi32(15));
+  const __m256i hi = _mm256_and_si256(
+      _mm256_srlv_epi32(_mm256_set1_epi32(h), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+      _mm256_set1_epi32(3));
+  const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)),
+                                      _mm256_set1_epi32(32));
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(ls)));
+}
+
 // Rows m0 .. m0 + R of output column n. Two blocks per iteration into separate accumulators,
 // so consecutive blocks' FMA chains overlap.
 template <int64_t QT, int R>
 inline void dot_q4_lut(const Gemm& g, int64_t n, int64_t m0) {
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 lut_q = QT == kQ4_1 ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(8.f));
+  const __m512 lut_q = QT == kQ4_1    ? iota
+                     : QT == kQ4_0    ? _mm512_sub_ps(iota, _mm512_set1_ps(8.f))
+                                      : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(
+                                            reinterpret_cast<const __m128i*>(kIQ4NL))));
   vec acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = vzero();
   const uint8_t* wr = g.w + n * g.row_bytes;
   const int64_t nb = g.K / QK;
-  auto block = [&](int64_t i, int a) {
-    const uint8_t* b = wr + i * block_bytes(QT);
+  float xs_scales[8];  // IQ4_XS: the current super-block's sub-block scales
+  auto block = [&](int64_t i, int a) {  // (sub-)block i of the row
+    const uint8_t* b = wr + i / subs(QT) * block_bytes(QT);
+    const int s = static_cast<int>(i % subs(QT));
     vec m;
-    const vec d = q4_table_d<QT>(b, m);
+    if constexpr (QT == kIQ4_XS) {
+      if (s == 0) iq4_xs_scales(b, xs_scales);
+    }
+    const vec d = QT == kIQ4_XS ? vset1(xs_scales[s]) : q4_table_d<QT>(b, m);
     const vec table = QT == kQ4_1 ? _mm512_fmadd_ps(d, lut_q, m) : _mm512_mul_ps(d, lut_q);
     const __m512i q = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (QT == kQ4_1 ? 4 : 2))));
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + nibble_offset<QT>(s))));
     const vec w0 = _mm512_permutexvar_ps(q, table);
     const vec w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
     for (int r = 0; r < R; ++r) {
@@ -528,7 +603,7 @@ void q4_lut_columns(const Gemm& g, int64_t n0, int64_t n1) {
 template <int64_t QT>
 __attribute__((noinline)) void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
 #if defined(PDSERVE_Q4_LUT)
-  if constexpr (QT == kQ4_0 || QT == kQ4_1) {
+  if constexpr (lut4(QT)) {
     q4_lut_columns<QT>(g, n0, n1);
     return;
   }
@@ -659,28 +734,31 @@ void gemm_panels(const Gemm& g, int64_t n0, int64_t n1, float* scratch) {
   }
 }
 #else
-// Q4_0 / Q4_1 block at b by table lookup, the plain C++ form of the vector builds' lookup:
-// the block's 16 possible weights (the values expand_scalar computes, bit for bit), then one
-// load per weight.
+// Q4_0 / Q4_1 / IQ4_NL block (IQ4_XS sub-block s) at b by table lookup, the plain C++ form of
+// the vector builds' lookup: the block's 16 possible weights (the values expand_scalar
+// computes, bit for bit), then one load per weight.
 template <int64_t QT>
-inline void expand_q4_lut(const uint8_t* b, float* w) {
+inline void expand_q4_lut(const uint8_t* b, int s, float* w) {
   float t[16];
-  const float d = half_at(b);
   if constexpr (QT == kQ4_1) {
-    const float m = half_at(b + 2);
+    const float d = half_at(b), m = half_at(b + 2);
     for (int q = 0; q < 16; ++q) t[q] = std::fma(d, static_cast<float>(q), m);
+  } else if constexpr (is_iq4(QT)) {
+    const float d = iq4_scale<QT>(b, s);
+    for (int q = 0; q < 16; ++q) t[q] = d * static_cast<float>(kIQ4NL[q]);
   } else {
+    const float d = half_at(b);
     for (int q = 0; q < 16; ++q) t[q] = d * static_cast<float>(q - 8);
   }
-  const uint8_t* qs = b + (QT == kQ4_1 ? 4 : 2);
+  const uint8_t* qs = b + nibble_offset<QT>(s);
   for (int j = 0; j < 16; ++j) {
     w[j] = t[qs[j] & 0x0F];
     w[j + 16] = t[qs[j] >> 4];
   }
 }
 
-// Plain C++: each block expanded to a float[32] (the compiler vectorizes what it can); Q4_0 /
-// Q4_1 by table lookup.
+// Plain C++: each block expanded to a float[32] (the compiler vectorizes what it can); the
+// 4-bit types (lut4) by table lookup.
 template <int64_t QT>
 __attribute__((noinline)) void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
   float w[QK];
@@ -691,8 +769,8 @@ __attribute__((noinline)) void gemm_columns(const Gemm& g, int64_t n0, int64_t n
       float acc[QK] = {};
       const float* xr = g.x + m * g.sx;
       for (int64_t b = 0; b < nb; ++b) {
-        if constexpr (QT == kQ4_0 || QT == kQ4_1)
-          expand_q4_lut<QT>(wr + b * block_bytes(QT), w);
+        if constexpr (lut4(QT))
+          expand_q4_lut<QT>(wr + b / subs(QT) * block_bytes(QT), b % subs(QT), w);
         else
           expand_scalar<QT>(wr + b / subs(QT) * block_bytes(QT), b % subs(QT), w);
         for (int j = 0; j < QK; ++j) acc[j] += w[j] * xr[b * QK + j];
@@ -713,8 +791,8 @@ void expand_row(const uint8_t* row, int64_t K, float* out) {
 
 void check_weight(const char* what, const at::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK_VALUE(valid_qtype(qtype), what, ": qtype must be Q4_0 (2), Q4_1 (3), Q5_0 (6), "
-                    "Q5_1 (7), Q8_0 (8), Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13) or Q6_K "
-                    "(14), got ", qtype);
+                    "Q5_1 (7), Q8_0 (8), Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13), Q6_K "
+                    "(14), IQ4_NL (20) or IQ4_XS (23), got ", qtype);
   const int64_t bs = block_size(qtype);
   TORCH_CHECK_VALUE(K > 0 && K % bs == 0, what, ": K must be a positive multiple of ", bs,
                     ", got ", K);
@@ -732,6 +810,8 @@ void dispatch(int64_t qtype, F&& f) {
     case kQ5_0: f(std::integral_constant<int64_t, kQ5_0>{}); break;
     case kQ5_1: f(std::integral_constant<int64_t, kQ5_1>{}); break;
     case kQ8_0: f(std::integral_constant<int64_t, kQ8_0>{}); break;
+    case kIQ4_NL: f(std::integral_constant<int64_t, kIQ4_NL>{}); break;
+    case kIQ4_XS: f(std::integral_constant<int64_t, kIQ4_XS>{}); break;
     case kQ2_K: f(std::integral_constant<int64_t, kQ2_K>{}); break;
     case kQ3_K: f(std::integral_constant<int64_t, kQ3_K>{}); break;
     case kQ4_K: f(std::integral_constant<int64_t, kQ4_K>{}); break;
