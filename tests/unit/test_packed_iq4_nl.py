@@ -1,9 +1,10 @@
 """IQ4_NL (what llama.cpp's Q2_K / Q3_K / IQ4_XS files hold for rows narrower than 256): the
 benchmark quantizers (IQ4_NL, IQ4_XS) write blocks gguf-py reads back close to the values, and a
-GGUF whose linears are IQ4_NL stays packed through the loader and the engine, with the same greedy tokens (logprobs up
-to summation order) as its weights expanded to fp32. The kernels' bit-exactness against gguf-py
-is in test_packed_gemm / test_packed_blocked / test_packed_triton (IQ4_NL among their types) and
-test_packed_kquants (IQ4_XS among the super-block types)."""
+GGUF whose every matrix is IQ4_NL (the tied embedding and LM head too) stays packed through the
+loader and the engine, with the same greedy tokens (logprobs up to summation order) as its
+weights expanded to fp32. The kernels' bit-exactness against gguf-py is in test_packed_gemm /
+test_packed_blocked / test_packed_triton (IQ4_NL among their types) and test_packed_kquants
+(IQ4_XS among the super-block types)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pdserve.bench.retype_gguf import IQ4_GRID, quantize_iq4_nl, quantize_iq4_xs
 from pdserve.common.models.gguf_loader import load_gguf
 from pdserve.common.models.quant import gemm
 from pdserve.common.models.quant.cpu_native import load_packed_kernels
+from pdserve.common.models.quant.embedding import PackedEmbedding
 from pdserve.common.models.quant.packed import PackedWeight, QType
 from pdserve.common.models.registry import expand_weights
 from pdserve.common.sampling_params import SamplingParams
@@ -46,11 +48,9 @@ def test_quantizer_round_trips_through_gguf_py():
 def write_gguf(path) -> None:
     rng = np.random.default_rng(1)
 
-    def encode(hf_name, shape, heads):  # every linear IQ4_NL; embedding and head Q8_0
+    def encode(hf_name, shape, heads):  # every matrix IQ4_NL, the tied embedding and head too
         values = (rng.standard_normal(shape) * shape[1] ** -0.5).astype(np.float32)
-        if "layers." in hf_name:
-            return quantize_iq4_nl(values), QT.IQ4_NL
-        return gguf.quants.quantize(values, QT.Q8_0), QT.Q8_0
+        return quantize_iq4_nl(values), QT.IQ4_NL
 
     write_tiny_llama_gguf(path, (H, HEADS, KV_HEADS, INTER, VOCAB), True, encode)
 
@@ -59,8 +59,8 @@ def test_iq4_nl_blocks_load_packed_and_expand_to_the_fp32_weights(tmp_path):
     write_gguf(tmp_path / "m.gguf")
     _, packed = load_gguf(tmp_path / "m.gguf", packed=True)
     _, fp32 = load_gguf(tmp_path / "m.gguf")
-    linears = [n for n in packed if ".layers." in n and "norm" not in n]
-    assert len(linears) == 14
+    linears = [n for n in packed if "norm" not in n]
+    assert len(linears) == 15  # 7 per layer and the embedding
     assert all(isinstance(packed[n], PackedWeight) and packed[n].qtype == QType.IQ4_NL
                for n in linears)
     expanded = expand_weights(packed)
@@ -77,6 +77,9 @@ def test_engine_iq4_nl_packed_equals_fp32(tmp_path, monkeypatch):
     layer = ours.engine.model.layers[0]
     assert layer.self_attn.qkv_proj.packed_weight.qtype == QType.IQ4_NL
     assert layer.mlp.down_proj.packed_weight.qtype == QType.IQ4_NL
+    model = ours.engine.model
+    assert isinstance(model.embed_tokens, PackedEmbedding)  # rows looked up from IQ4_NL blocks
+    assert model.lm_head.packed_weight is model.embed_tokens.packed_weight
     assert (ours.engine.weights_footprint.resident_bytes
             < 0.5 * ref.engine.weights_footprint.resident_bytes)
     assert_same_greedy(ours, ref, VOCAB)
