@@ -27,12 +27,15 @@ from pdserve.common.models.registry import resolve_model
 
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16", "F32", "IQ4_NL", "IQ4_XS")
 IQ4_GRID = np.array(IQ4_NL_GRID, dtype=np.float32)
+IQ4_GRID.flags.writeable = False  # a constant: shared by every call
 
 
 def _iq4_fit(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x [..., 32] -> (scale d [..., 1] fp32, grid indices [..., 32] uint8) per block: as
-    llama.cpp's quantize_row_iq4_nl without importance weights, 15 trial scales around
-    max|x| / 127, each refit by least squares, the one with the least error kept."""
+    """x [..., 32] -> (scale d [..., 1] fp32, grid indices [..., 32] uint8) per block: 15
+    trial scales around max|x| / 127, as llama.cpp's quantize_row_iq4_nl tries, each refit by
+    least squares, the one with the least error kept. Simpler than llama.cpp's: the fit is
+    unweighted (it weights by x^2 without an imatrix) and the indices are not re-picked for the
+    final scale. Good enough for benchmark files; not a replacement for llama-quantize."""
     peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)  # signed
     safe = np.where(peak == 0, 1.0, peak)
     best_err = np.full(peak.shape, np.inf, dtype=np.float32)
@@ -61,7 +64,19 @@ def _blocks(values: np.ndarray, width: int) -> np.ndarray:
     rows, k = values.shape
     if k % width:
         raise ValueError(f"rows must be whole {width}-weight blocks, got {k} columns")
+    if not np.isfinite(values).all():
+        raise ValueError("values to quantize must be finite")
     return values.reshape(rows, k // width, width).astype(np.float32)
+
+
+def _fp16_scale(d: np.ndarray) -> np.ndarray:
+    """d as the fp16 the block stores; refuses values whose scale fp16 cannot hold (|x| above
+    ~8e6), which would store inf and expand to inf or NaN."""
+    with np.errstate(over="ignore"):
+        half = d.astype(np.float16)
+    if not np.isfinite(half).all():
+        raise ValueError("values too large for an fp16 block scale (|x| above ~8e6)")
+    return half
 
 
 def quantize_iq4_nl(values: np.ndarray) -> np.ndarray:
@@ -69,7 +84,7 @@ def quantize_iq4_nl(values: np.ndarray) -> np.ndarray:
     fp16 scale d, then 16 bytes of nibbles (element j low, j + 16 high) indexing the grid."""
     x = _blocks(values, 32)
     d, q = _iq4_fit(x)
-    out = np.concatenate([d.astype(np.float16).view(np.uint8), _nibbles(q)], -1)
+    out = np.concatenate([_fp16_scale(d).view(np.uint8), _nibbles(q)], -1)
     return out.reshape(values.shape[0], -1)
 
 
@@ -82,7 +97,7 @@ def quantize_iq4_xs(values: np.ndarray) -> np.ndarray:
     x = _blocks(values, 256).reshape(values.shape[0], -1, 8, 32)
     sub_d, _ = _iq4_fit(x)  # [r, nb, 8, 1]
     peak = np.take_along_axis(sub_d, np.abs(sub_d).argmax(-2)[..., None, :], -2)  # [r, nb, 1, 1]
-    d = (-peak / 32).astype(np.float16).astype(np.float32)
+    d = _fp16_scale(-peak / 32).astype(np.float32)
     inv = np.where(d == 0, 0, 1 / np.where(d == 0, 1, d))
     ls = np.clip(np.rint(sub_d * inv), -32, 31).astype(np.int32) + 32  # [r, nb, 8, 1]
     dl = d * (ls - 32)
@@ -133,7 +148,10 @@ def retype(src: Path, out: Path, rules: list[tuple[str, gguf.GGMLQuantizationTyp
         data, qtype = np.asarray(t.data), t.tensor_type
         new = next((q for suffix, q in rules if t.name.endswith(f"{suffix}.weight")), None)
         if new is not None and new != qtype:
-            data, qtype = encode(gguf.quants.dequantize(data, qtype), new), new
+            try:
+                data, qtype = encode(gguf.quants.dequantize(data, qtype), new), new
+            except ValueError as e:
+                raise ValueError(f"{t.name} as {new.name}: {e}") from None
             changed += 1
         # quantized data is bytes: give the writer their shape; float data carries its own
         shape = tuple(int(n) for n in reversed(t.shape))  # numpy order [rows, columns]

@@ -63,9 +63,9 @@ def parallel_argv(args) -> list[str]:
 
 def add_weights_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=WEIGHTS_MODES, default=EngineConfig.weights,
-                   help="packed: a GGUF's Q4_0/Q4_1/Q8_0/Q2_K..Q6_K matrices stay packed in "
-                   "memory and "
-                   "multiply in fp32 (docs/packed-weights.md); fp32: expand them at load")
+                   help="packed: a GGUF's Q4_0..Q8_0, IQ4_NL/IQ4_XS and Q2_K..Q6_K matrices "
+                   "stay packed in memory and multiply in fp32 (docs/packed-weights.md); fp32: "
+                   "expand them at load")
     p.add_argument("--dtype", choices=DTYPES, default=EngineConfig.dtype,
                    help="unquantized weights and activations (auto: float32 on the CPU, "
                    "bfloat16 on CUDA; docs/half-precision.md)")

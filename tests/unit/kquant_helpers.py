@@ -1,4 +1,4 @@
-"""Random valid K-quant (and IQ4_NL) weights built from bytes (gguf-py has no quantizer for
+"""Random valid K-quant (and IQ4_NL, IQ4_XS) weights built from bytes (gguf-py has no quantizer for
 them): random quants and packed scales, with the fp16 scale fields set to finite values."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def random_kquant_rows(qtype: QType, n: int, k: int, seed: int = 0, scale: float
 
 def make_kquant_weight(qtype: QType, n: int, k: int, seed: int = 0
                        ) -> tuple[PackedWeight, torch.Tensor]:
-    """A random K-quant (or IQ4_NL) weight, packed and as gguf-py dequantizes it ([n, k]
+    """A random K-quant (or IQ4_NL, IQ4_XS) weight, packed and as gguf-py dequantizes it ([n, k]
     fp32)."""
     rows = random_kquant_rows(qtype, n, k, seed)
     ref = dequantize(rows, GGMLQuantizationType(int(qtype))).astype(np.float32)

@@ -21,6 +21,7 @@ from pdserve.common.models.quant.packed import PackedWeight, QType
 from pdserve.common.models.registry import LoadedModel, model_fingerprint
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.tokenizer import Tokenizer
+from pdserve.tests.unit.kquant_helpers import make_kquant_weight
 
 
 def _switch_m() -> int:
@@ -46,7 +47,6 @@ def make_weight(qtype: QType, n: int, k: int, seed: int = 0) -> tuple[PackedWeig
     """A random weight quantized by gguf-py (random blocks for UNQUANTIZABLE types); returns it
     packed and as gguf-py dequantizes it."""
     if qtype in UNQUANTIZABLE:
-        from pdserve.tests.unit.kquant_helpers import make_kquant_weight
         return make_kquant_weight(qtype, n, k, seed)
     values = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     packed = quantize(values, GGMLQuantizationType(int(qtype)))  # [n, k / 32 * block_bytes] uint8

@@ -19,8 +19,8 @@ from pdserve.tests.unit.packed_helpers import LARGE_M, make_weight, reference, t
 
 torch.set_num_threads(2)
 QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.IQ4_NL]
-# M < 4: blocks expanded per row (Q4_0 / Q4_1 by table lookup on AVX-512, the scales of a row
-# widened 16 at a time: K = 576 and 1536 cover partial and whole groups of 16 blocks)
+# M < 4: blocks expanded per row (Q4_0 / Q4_1 / IQ4_NL by table lookup on AVX-512, the scales of
+# a row widened 16 at a time: K = 576 and 1536 cover partial and whole groups of 16 blocks)
 SHAPES = [(1, 1, 32), (1, 7, 64), (3, 33, 96), (2, 9, 576), (1, 40, 1536), (5, 64, 576),
           (17, 130, 320), (40, 1100, 64)]
 

@@ -69,3 +69,16 @@ def test_a_custom_alignment_is_kept(tmp_path, name_len):
     out = gguf.GGUFReader(tmp_path / "b.gguf")
     assert out.fields["general.alignment"].contents() == 64
     assert [t.tensor_type for t in out.tensors] == [QT.Q8_0] * 3
+
+
+def test_iq4_types_are_written_by_our_quantizers(tmp_path):
+    write_gguf(tmp_path / "m.gguf", tied=True)  # H 64: rows of two 32-weight blocks
+    main(["--model", str(tmp_path / "m.gguf"), "--retype", "ffn_up=IQ4_NL",
+          "--out", str(tmp_path / "r.gguf")])
+    up = tensors(tmp_path / "r.gguf")["blk.0.ffn_up.weight"]
+    assert up.tensor_type == QT.IQ4_NL
+    assert np.isfinite(gguf.quants.dequantize(np.asarray(up.data), QT.IQ4_NL)).all()
+    # IQ4_XS needs rows of whole 256-weight super-blocks: the error names the tensor
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight as IQ4_XS: .*256-weight"):
+        main(["--model", str(tmp_path / "m.gguf"), "--retype", "ffn_up=IQ4_XS",
+              "--out", str(tmp_path / "x.gguf")])

@@ -231,11 +231,14 @@ def _expand_q5_1(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 24] -> [R, nb, 32]
     return _half(b[..., 0:2]) * _q5_quants(b, 4) + _half(b[..., 2:4])
 
 
+def _iq4_levels(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] nibble bytes -> [..., 32] fp32 grid levels (element j low, j + 16 high)."""
+    grid = torch.tensor(IQ4_NL_GRID, dtype=torch.float32, device=qs.device)
+    return grid[torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()]
+
+
 def _expand_iq4_nl(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 18] -> [R, nb, 32]
-    qs = b[..., 2:]
-    index = torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()
-    grid = torch.tensor(IQ4_NL_GRID, dtype=torch.float32, device=b.device)
-    return _half(b[..., 0:2]) * grid[index]  # exact: an fp16 times a level of at most 8 bits
+    return _half(b[..., 0:2]) * _iq4_levels(b[..., 2:])  # exact: fp16 times a 7-bit level
 
 
 def _expand_iq4_xs(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 136] -> [R, nb, 256]
@@ -244,10 +247,8 @@ def _expand_iq4_xs(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 136] -> [R, nb, 
     hi = (h.unsqueeze(-1) >> (2 * torch.arange(8, device=b.device))) & 3
     ls = lo.int() | (hi << 4)
     dl = _half(b[..., 0:2]) * (ls - 32).float()  # [R, nb, 8], exact
-    qs = b[..., 8:].reshape(*b.shape[:-1], 8, 16)
-    index = torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()  # [R, nb, 8, 32]
-    grid = torch.tensor(IQ4_NL_GRID, dtype=torch.float32, device=b.device)
-    return (dl.unsqueeze(-1) * grid[index]).flatten(-2)
+    levels = _iq4_levels(b[..., 8:].reshape(*b.shape[:-1], 8, 16))  # [R, nb, 8, 32]
+    return (dl.unsqueeze(-1) * levels).flatten(-2)  # exact too: at most 23 significant bits
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:

@@ -2,12 +2,12 @@
 
 Grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)). A program walks K one 32-weight (sub-)block at a
 time (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL blocks, or the 8 sub-blocks of a K-quant or
-IQ4_XS super-block): it
-loads its BLOCK_N rows' scale (and min) and quants, expands them to fp32 in registers exactly as
-gguf-py dequantizes (quant/packed.py; a K-quant's sub-block scale d * sc and min dmin * m are
-exact products, so d_s * q - m_s rounds once, fused or not), and accumulates x_tile @ w_tile^T
-in fp32 with `input_precision="ieee"` (never TF32, which would round the operands). So, as on
-the CPU, the result is the dequantized-fp32 GEMM up to summation order, from packed bytes.
+IQ4_XS super-block): it loads its BLOCK_N rows' scale (and min) and quants, expands them to fp32
+in registers exactly as gguf-py dequantizes (quant/packed.py; a K-quant's sub-block scale d * sc
+and min dmin * m are exact products, so d_s * q - m_s rounds once, fused or not), and
+accumulates x_tile @ w_tile^T in fp32 with `input_precision="ieee"` (never TF32, which would
+round the operands). So, as on the CPU, the result is the dequantized-fp32 GEMM up to summation
+order, from packed bytes.
 
 Launched compiled on CUDA and interpreted on the CPU (the tests), through the attention kernels'
 `device_kernel` (common/attention/triton_kernels/_launch.py), so it uses builtins only.

@@ -40,7 +40,7 @@
 //   IQ4_XS (136 bytes, IQ4_NL's grid in super-blocks): fp16 d, uint16 scales_h, 4 bytes
 //     scales_l, 128 bytes of nibbles (sub-block s: 16 bytes at 8 + 16 s, Q4_0's order);
 //     w = (d * (ls[s] - 32)) * grid[q], ls 6 bits (scales_l nibble s, scales_h bits 2 s)
-//     (d * (ls - 32) exact: one rounding)
+//     (exact: at most 11 + 5 + 7 significant bits)
 //
 // ISA: AVX-512 (16 lanes), AVX2 + FMA (8 lanes) or plain C++, chosen at build time by the
 // compile flags (quant/cpu_native.py). The K-quant bit unpacking is AVX2 code (256-bit byte

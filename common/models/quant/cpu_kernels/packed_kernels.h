@@ -55,8 +55,8 @@ constexpr int64_t block_bytes(int64_t qt) {
 // a non-linear grid of int8 levels (gguf-py's IQ4_NL.kvalues); the product is exact in fp32.
 // IQ4_XS (136 bytes / 256): fp16 d, uint16 scales_h, 4 bytes scales_l, 128 bytes of nibbles
 // (sub-block s: bytes 8 + 16 s .., Q4_0's order); w = (d * (ls[s] - 32)) * kIQ4NL[q], ls the
-// 6-bit scale (low nibble of scales_l byte s / 2, then bits 2 s of scales_h); d * (ls - 32) is
-// exact, the product with the level rounds once, as in numpy.
+// 6-bit scale (low nibble of scales_l byte s / 2, then bits 2 s of scales_h). Every product is
+// exact in fp32: d * (ls - 32) has at most 11 + 5 significant bits, times a level at most 23.
 alignas(16) constexpr int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                            1,    13,   25,  38,  53,  69,  89,  113};
 // the 4-bit types whose 16 possible weights per block make a lookup table (dot_q4_lut)
@@ -128,9 +128,9 @@ constexpr int q5_qh() { return QT == kQ5_0 ? 2 : 4; }
 template <int64_t QT>
 constexpr int q5_qs() { return q5_qh<QT>() + 4; }
 
-// The 32 quants of K-quant sub-block s (or of a Q5_0 / Q5_1 / IQ4_NL block), as integers
-// (Q2_K 0..3, Q3_K -4..3, Q4_K 0..15, Q5_K 0..31, Q6_K -32..31, Q5_0 -16..15, Q5_1 0..31,
-// IQ4_NL the grid's levels -127..113).
+// The 32 quants of K-quant or IQ4_XS sub-block s (or of a Q5_0 / Q5_1 / IQ4_NL block), as
+// integers (Q2_K 0..3, Q3_K -4..3, Q4_K 0..15, Q5_K 0..31, Q6_K -32..31, Q5_0 -16..15, Q5_1
+// 0..31, IQ4_NL and IQ4_XS the grid's levels -127..113).
 template <int64_t QT>
 inline int kq_quant(const uint8_t* b, int s, int i) {
   if constexpr (is_iq4(QT)) {
@@ -161,7 +161,7 @@ inline int kq_quant(const uint8_t* b, int s, int i) {
 // variant matches.
 template <int64_t QT>
 inline void expand_scalar(const uint8_t* b, int s, float* w) {
-  // Q5_0 and IQ4_NL: d * q, exact; IQ4_XS: d_s * q; Q5_1: fma(d, q, m), one rounding as numpy
+  // Q5_0 and the IQ4 types: d * q, exact; Q5_1: fma(d, q, m), one rounding as numpy
   if constexpr (is_q5(QT) || is_iq4(QT)) {
     const float d = is_iq4(QT) ? iq4_scale<QT>(b, s) : half_at(b);
     const float m = QT == kQ5_1 ? half_at(b + 2) : 0.f;
@@ -295,7 +295,7 @@ inline void expand(const uint8_t* b, int s, vec* w) {  // 2 vectors
       w[j] = _mm512_mul_ps(d, i8_to_f(q));
     }
   } else {
-    const uint8_t* qs = b + (QT == kQ4_1 ? 4 : 2);
+    const uint8_t* qs = b + nibble_offset<QT>(0);
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const vec lo = u8_to_f(_mm_and_si128(q, mask));
@@ -359,7 +359,7 @@ inline void expand(const uint8_t* b, int s, vec* w) {  // 4 vectors
       w[j] = _mm256_mul_ps(d, i8_to_f(q));
     }
   } else {
-    const uint8_t* qs = b + (QT == kQ4_1 ? 4 : 2);
+    const uint8_t* qs = b + nibble_offset<QT>(0);
     // bytes 0 .. 7 and 8 .. 15 widened to dwords straight from memory (vpmovzxbd m64), then
     // split into nibbles at 32 bits (the upper bytes are zero, so >> 4 is the high nibble):
     // 10 vector ops per block where widening split nibble bytes took 14
@@ -391,13 +391,14 @@ inline void expand(const uint8_t* b, int s, vec* w) {  // 4 vectors
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-// K-quant sub-block s (or a Q5_0 / Q5_1 / IQ4_NL block): unpack its 32 quant bytes (AVX2 byte ops,
-// either vector build), widen them to 32 / VL vectors and scale: fma(d * sc, q, -(dmin * m)),
-// or Q3_K's and Q6_K's (d * scale) * q; Q2_K, Q3_K and Q6_K change scale every 16 weights.
+// K-quant or IQ4_XS sub-block s (or a Q5_0 / Q5_1 / IQ4_NL block): unpack its 32 quant bytes
+// (AVX2 byte ops, either vector build), widen them to 32 / VL vectors and scale:
+// fma(d * sc, q, -(dmin * m)), or Q3_K's and Q6_K's (d * scale) * q, or the IQ4 types'
+// d_s * grid[q]; Q2_K, Q3_K and Q6_K change scale every 16 weights.
 template <int64_t QT, typename V>
 inline void expand_k(const uint8_t* b, int s, V* w) {
   const __m256i q = kq_quants<QT>(b, s);
-  if constexpr (QT == kQ5_0 || is_iq4(QT)) {  // d * q: exact, or (IQ4_XS) one rounding
+  if constexpr (QT == kQ5_0 || is_iq4(QT)) {  // d * q, exact
     const V d = vset1(QT == kQ5_0 ? half_at(b) : iq4_scale<QT>(b, s));
     for (int j = 0; j < QK / VL; ++j) w[j] = vmul(d, i8_to_f(lane_bytes(q, j)));
   } else if constexpr (QT == kQ5_1) {  // fma(d, q, m): one rounding, as numpy's d * q + m
@@ -500,10 +501,10 @@ inline void dot_tile(const Gemm& g, int64_t n, int64_t m0) {
 // Q4_0 / Q4_1 / IQ4_NL / IQ4_XS at few activation rows (decode, AVX-512) by table lookup. A
 // (sub-)block's 16 possible weights are one vector, table[q] = fma(d, q, m) (Q4_1),
 // d * (q - 8) (Q4_0) or d_s * grid[q] (IQ4_NL, IQ4_XS): the values expand() computes per
-// element, bit for bit. Each weight is then one lane of a vpermps (which
-// reads only the low 4 bits of each index lane, so the widened bytes index the low nibbles
-// unmasked): 1 widening, 1 shift, 2 permutes and 1 FMA per 32 weights, where converting the
-// nibbles to floats took ~3x the uops.
+// element, bit for bit. Each weight is then one lane of a vpermps (which reads only the low 4
+// bits of each index lane, so the widened bytes index the low nibbles unmasked): 1 widening, 1
+// shift, 2 permutes and 1 FMA per 32 weights, where converting the nibbles to floats took ~3x
+// the uops.
 // The table's d (and m) come straight from the block header: one 4-byte broadcast [d, m], one
 // conversion, two in-lane shuffles (d in every lane, m in every lane). On the Zen 5 this ran
 // 1.2-1.4x faster (30 SmolLM2 layers at M = 1) than widening a row's scales into a buffer
