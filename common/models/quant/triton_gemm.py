@@ -173,8 +173,14 @@ def _packed_gemm_kernel(
     tl.store(out_ptr + m[:, None].to(tl.int64) * N + n[None, :], acc, mask=mask)
 
 
-# IQ4_NL's 16 levels + 128 (0..241), four bytes to a word: a table without a table argument
-_IQ4_WORDS = tuple(sum((IQ4_NL_GRID[4 * w + i] + 128) << (8 * i) for i in range(4))
+def _signed32(word: int) -> int:
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+# IQ4_NL's 16 levels + 128 (0..241), four bytes to a word: a table without a table argument.
+# Stored as signed 32-bit values, so Triton types every one of them int32 (from 2^31 on it
+# would pick uint32); a byte reads back with a shift and a mask whatever the sign.
+_IQ4_WORDS = tuple(_signed32(sum((IQ4_NL_GRID[4 * w + i] + 128) << (8 * i) for i in range(4)))
                    for w in range(4))
 
 # byte offset of the quants in a block (sub-block 0's low bits, for Q2_K .. Q5_K); 2 otherwise
