@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from pdserve.bench.retype_gguf import IQ4_GRID, quantize_iq4_nl, quantize_iq4_xs
+from pdserve.bench.iq4_quant import IQ4_GRID, quantize_iq4_nl, quantize_iq4_xs
 from pdserve.common.models.gguf_loader import load_gguf
 from pdserve.common.models.quant import gemm
 from pdserve.common.models.quant.cpu_native import load_packed_kernels

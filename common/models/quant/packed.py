@@ -4,8 +4,8 @@ A packed weight is the GGUF tensor's bytes, row by row: [N, K / block_size * blo
 for a logical [N, K] fp32 matrix, blocks along K of 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 IQ4_NL) or super-blocks of 256 (the K-quants Q2_K .. Q6_K and IQ4_XS: 8 sub-blocks of 32 with
 their own scales; every kernel walks K in 32-weight sub-blocks). Rows can be reordered and
-concatenated without touching a block (llama.cpp's Q/K row permutation, the fused q/k/v and gate/up
-projections), which is all loading needs.
+concatenated without touching a block (llama.cpp's Q/K row permutation, the fused q/k/v and
+gate/up projections), which is all loading needs.
 
 `dequantize` reproduces gguf-py's `gguf.quants.dequantize` bit for bit (the products d * q are
 exact in fp32; Q4_1's + m rounds once in both; a K-quant's sub-block scale d * sc and min
