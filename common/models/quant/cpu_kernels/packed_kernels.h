@@ -544,6 +544,36 @@ inline void iq4_xs_scales(const uint8_t* b, float* out) {
   _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(ls)));
 }
 
+// A Q5_0 / Q5_1 block's 32 weights by table lookup: its 32 possible weights are two vectors,
+// table[q] = d * (q - 16) (Q5_0, exact) or fma(d, q, m) (Q5_1), the values expand() computes,
+// and vpermt2ps picks from both by the 5 low bits of each index: the nibble, with bit i of qh
+// OR-ed in as bit 4 under a mask register (qh's 32 bits are the two halves' lane masks). This
+// replaces the byte shuffles, widenings and conversions of the expansion.
+template <int64_t QT>
+inline void q5_lut_weights(const uint8_t* b, __m512 iota, vec& w0, vec& w1) {
+  const vec d = vset1(half_at(b));
+  vec lo, hi;  // the weights of quants 0..15 and 16..31
+  if constexpr (QT == kQ5_1) {
+    const vec m = vset1(half_at(b + 2));
+    lo = _mm512_fmadd_ps(d, iota, m);
+    hi = _mm512_fmadd_ps(d, _mm512_add_ps(iota, _mm512_set1_ps(16.f)), m);
+  } else {
+    lo = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(16.f)));
+    hi = _mm512_mul_ps(d, iota);
+  }
+  uint32_t qh;
+  std::memcpy(&qh, b + q5_qh<QT>(), 4);
+  const __m512i q = _mm512_cvtepu8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + q5_qs<QT>())));
+  const __m512i bit4 = _mm512_set1_epi32(16);
+  const __m512i q0 = _mm512_and_si512(q, _mm512_set1_epi32(15));
+  const __m512i q1 = _mm512_srli_epi32(q, 4);
+  const __m512i i0 = _mm512_mask_or_epi32(q0, static_cast<__mmask16>(qh), q0, bit4);
+  const __m512i i1 = _mm512_mask_or_epi32(q1, static_cast<__mmask16>(qh >> 16), q1, bit4);
+  w0 = _mm512_permutex2var_ps(lo, i0, hi);
+  w1 = _mm512_permutex2var_ps(lo, i1, hi);
+}
+
 // Rows m0 .. m0 + R of output column n. Two blocks per iteration into separate accumulators,
 // so consecutive blocks' FMA chains overlap.
 template <int64_t QT, int R>
@@ -562,16 +592,21 @@ inline void dot_q4_lut(const Gemm& g, int64_t n, int64_t m0) {
   auto block = [&](int64_t i, int a) {  // (sub-)block i of the row
     const uint8_t* b = wr + i / subs(QT) * block_bytes(QT);
     const int s = static_cast<int>(i % subs(QT));
-    vec m;
-    if constexpr (QT == kIQ4_XS) {
-      if (s == 0) iq4_xs_scales(b, xs_scales);
+    vec w0, w1;
+    if constexpr (is_q5(QT)) {
+      q5_lut_weights<QT>(b, iota, w0, w1);
+    } else {
+      vec m;
+      if constexpr (QT == kIQ4_XS) {
+        if (s == 0) iq4_xs_scales(b, xs_scales);
+      }
+      const vec d = QT == kIQ4_XS ? vset1(xs_scales[s]) : q4_table_d<QT>(b, m);
+      const vec table = QT == kQ4_1 ? _mm512_fmadd_ps(d, lut_q, m) : _mm512_mul_ps(d, lut_q);
+      const __m512i q = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + nibble_offset<QT>(s))));
+      w0 = _mm512_permutexvar_ps(q, table);
+      w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
     }
-    const vec d = QT == kIQ4_XS ? vset1(xs_scales[s]) : q4_table_d<QT>(b, m);
-    const vec table = QT == kQ4_1 ? _mm512_fmadd_ps(d, lut_q, m) : _mm512_mul_ps(d, lut_q);
-    const __m512i q = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + nibble_offset<QT>(s))));
-    const vec w0 = _mm512_permutexvar_ps(q, table);
-    const vec w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
     for (int r = 0; r < R; ++r) {
       const float* xr = g.x + (m0 + r) * g.sx + i * QK;
       acc[r][a] = vfma(w0, vload(xr), acc[r][a]);
@@ -604,7 +639,7 @@ void q4_lut_columns(const Gemm& g, int64_t n0, int64_t n1) {
 template <int64_t QT>
 __attribute__((noinline)) void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
 #if defined(PDSERVE_Q4_LUT)
-  if constexpr (lut4(QT)) {
+  if constexpr (lut4(QT) || is_q5(QT)) {
     q4_lut_columns<QT>(g, n0, n1);
     return;
   }
