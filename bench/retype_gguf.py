@@ -9,8 +9,8 @@ tests of the mixed-type paths (docs/packed-weights.md, "Mixed types in one fused
 Each tensor whose name ends in `<suffix>.weight` is expanded by gguf-py and re-quantized into
 the new type: by gguf-py (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16, F32), or by the quantizers
 in bench/iq4_quant.py (IQ4_NL and IQ4_XS, which gguf-py reads but cannot write; IQ4_NL is
-what llama.cpp's Q2_K, Q3_K and IQ4_XS files hold for rows narrower than 256, IQ4_XS needs
-rows of whole 256-weight super-blocks). Metadata and every other tensor are copied byte for
+what llama.cpp's IQ4_XS files hold for rows narrower than 256, IQ4_XS needs rows of whole
+256-weight super-blocks). Metadata and every other tensor are copied byte for
 byte. The re-quantized values round again, so outputs differ slightly from the original
 file's.
 """

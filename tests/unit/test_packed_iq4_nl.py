@@ -1,4 +1,4 @@
-"""IQ4_NL (what llama.cpp's Q2_K / Q3_K / IQ4_XS files hold for rows narrower than 256): the
+"""IQ4_NL (what llama.cpp's IQ4_XS files hold for rows narrower than 256): the
 benchmark quantizers (IQ4_NL, IQ4_XS) write blocks gguf-py reads back close to the values, and a
 GGUF whose every matrix is IQ4_NL (the tied embedding and LM head too) stays packed through the
 loader and the engine, with the same greedy tokens (logprobs up to summation order) as its

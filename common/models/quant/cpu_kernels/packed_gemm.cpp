@@ -20,7 +20,7 @@
 //   Q5_1 (24 bytes / 32): fp16 d, fp16 m, qh, nibbles; w[i] = d * q[i] + m   (one rounding)
 //   Q8_0 (34 bytes / 32): fp16 d, 32 int8; w[i] = d * q[i]
 //   IQ4_NL (18 bytes / 32): fp16 d, 16 bytes of nibbles; w[i] = d * grid[q[i]], the grid 16 int8
-//     levels from -127 to 113 (what llama.cpp's Q2_K / Q3_K files hold for rows narrower than
+//     levels from -127 to 113 (what llama.cpp's IQ4_XS files hold for rows narrower than
 //     256)   (exact)
 //   Nibble order: byte j holds element j (low nibble) and element j + 16 (high nibble).
 // K-quants: super-blocks of 256 weights = 8 sub-blocks of 32, each expanded like a block above.
