@@ -21,3 +21,16 @@ def test_lengths_are_bounded(monkeypatch, tmp_path):
                                       "--input-len", "0"])
     with pytest.raises(SystemExit, match="--input-len must be in"):
         llama_cpp_peer.main()
+
+
+def test_quantizer_without_the_package_is_a_clear_error(monkeypatch, tmp_path):
+    from pdserve.bench import llama_cpp_quantize
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(SystemExit, match="needs llama-cpp-python.*separate venv"):
+        llama_cpp_quantize.main(["--gguf", str(tmp_path / "f32.gguf"), "--mixes", "Q4_K_M"])
+
+
+def test_quantizer_offers_only_the_checked_mixes(tmp_path):
+    from pdserve.bench import llama_cpp_quantize
+    with pytest.raises(SystemExit):  # argparse refuses a mix outside MIXES
+        llama_cpp_quantize.main(["--gguf", str(tmp_path / "f32.gguf"), "--mixes", "IQ2_XXS"])
