@@ -498,10 +498,10 @@ inline void dot_tile(const Gemm& g, int64_t n, int64_t m0) {
 
 
 #if defined(__AVX512F__)
-// Q4_0 / Q4_1 / IQ4_NL / IQ4_XS at few activation rows (decode, AVX-512) by table lookup. A
-// (sub-)block's 16 possible weights are one vector, table[q] = fma(d, q, m) (Q4_1),
-// d * (q - 8) (Q4_0) or d_s * grid[q] (IQ4_NL, IQ4_XS): the values expand() computes per
-// element, bit for bit. Each weight is then one lane of a vpermps (which reads only the low 4
+// Q4_0 / Q4_1 / IQ4_NL / IQ4_XS (and Q5_0 / Q5_1: q5_lut_weights) at few activation rows
+// (decode, AVX-512) by table lookup. A (sub-)block's 16 possible weights are one vector,
+// table[q] = fma(d, q, m) (Q4_1), d * (q - 8) (Q4_0) or d_s * grid[q] (IQ4_NL, IQ4_XS): the
+// values expand() computes per element, bit for bit. Each weight is then one lane of a vpermps (which reads only the low 4
 // bits of each index lane, so the widened bytes index the low nibbles unmasked): 1 widening, 1
 // shift, 2 permutes and 1 FMA per 32 weights, where converting the nibbles to floats took ~3x
 // the uops.
