@@ -116,20 +116,22 @@ def _packed_gemm_kernel(
                  | (tl.load(blk + 209, mask=n_mask, other=0).to(tl.uint16) << 8)
                  ).to(tl.float16, bitcast=True).to(tl.float32)
             w = (d[:, None] * sc) * q.to(tl.float32)
-        elif QT == 23:  # IQ4_XS: (d * (ls[s] - 32)) * grid[q], sub-block s's nibbles at 8 + 16 s
-            d = (tl.load(blk, mask=n_mask, other=0).to(tl.uint16)
-                 | (tl.load(blk + 1, mask=n_mask, other=0).to(tl.uint16) << 8)
-                 ).to(tl.float16, bitcast=True).to(tl.float32)
-            sh = (tl.load(blk + 2, mask=n_mask, other=0).to(tl.int32)
-                  | (tl.load(blk + 3, mask=n_mask, other=0).to(tl.int32) << 8))
-            sl = tl.load(blk + 4 + s // 2, mask=n_mask, other=0).to(tl.int32)
-            ls = ((sl >> (4 * (s % 2))) & 15) | (((sh >> (2 * s)) & 3) << 4)
-            dl = d * (ls - 32).to(tl.float32)  # exact
-            nib = ((tl.load(blk[:, None] + 8 + 16 * s + q_byte[None, :], mask=wmask, other=0
-                            ).to(tl.int64) >> q_shift[None, :].to(tl.int64)) & 15)
+        elif QT == 20 or QT == 23:  # IQ4_NL: d * grid[q]; IQ4_XS: (d * (ls[s] - 32)) * grid[q]
+            dl = (tl.load(blk, mask=n_mask, other=0).to(tl.uint16)
+                  | (tl.load(blk + 1, mask=n_mask, other=0).to(tl.uint16) << 8)
+                  ).to(tl.float16, bitcast=True).to(tl.float32)
+            if QT == 23:  # sub-block s's 6-bit scale; its nibbles at 8 + 16 s
+                sh = (tl.load(blk + 2, mask=n_mask, other=0).to(tl.int32)
+                      | (tl.load(blk + 3, mask=n_mask, other=0).to(tl.int32) << 8))
+                sl = tl.load(blk + 4 + s // 2, mask=n_mask, other=0).to(tl.int32)
+                ls = ((sl >> (4 * (s % 2))) & 15) | (((sh >> (2 * s)) & 3) << 4)
+                dl = dl * (ls - 32).to(tl.float32)  # exact
+            nib = ((tl.load(blk[:, None] + QS_OFFSET + 16 * s + q_byte[None, :], mask=wmask,
+                            other=0).to(tl.int64) >> q_shift[None, :].to(tl.int64)) & 15)
+            # grid[q] + 128 is byte q % 4 of word q // 4
             word = tl.where(nib < 4, IQ4_GRID_0, tl.where(nib < 8, IQ4_GRID_1, tl.where(
                 nib < 12, IQ4_GRID_2, IQ4_GRID_3)))
-            w = dl[:, None] * (((word >> (8 * (nib % 4))) & 255) - 128).to(tl.float32)
+            w = dl[:, None] * (((word >> (8 * (nib % 4))) & 255) - 128).to(tl.float32)  # exact
         else:
             d_bits = (tl.load(blk, mask=n_mask, other=0).to(tl.uint16)
                       | (tl.load(blk + 1, mask=n_mask, other=0).to(tl.uint16) << 8))
@@ -141,19 +143,12 @@ def _packed_gemm_kernel(
                 w = d[:, None] * q
             else:
                 q = ((raw >> q_shift[None, :].to(tl.uint8)) & 0x0F).to(tl.float32)
-                if QT == 20:  # IQ4_NL: grid[q] + 128 is byte q % 4 of word q // 4
-                    nib = q.to(tl.int64)
-                    word = tl.where(nib < 4, IQ4_GRID_0, tl.where(nib < 8, IQ4_GRID_1, tl.where(
-                        nib < 12, IQ4_GRID_2, IQ4_GRID_3)))
-                    q = (((word >> (8 * (nib % 4))) & 255) - 128).to(tl.float32)
                 if QT == 6 or QT == 7:  # Q5_0 / Q5_1: bit j of qh (before the nibbles) is bit 4
                     qh = (tl.load(blk[:, None] + QS_OFFSET - 4 + j[None, :] // 8, mask=wmask,
                                   other=0).to(tl.int32) >> (j[None, :] % 8)) & 1
                     q = q + 16.0 * qh.to(tl.float32)
                 if QT == 6:  # Q5_0: d * (q - 16), exact
                     w = d[:, None] * (q - 16.0)
-                elif QT == 20:  # IQ4_NL: d * grid[q], exact
-                    w = d[:, None] * q
                 elif QT == 3 or QT == 7:  # Q4_1 / Q5_1: d * q + m (one rounding, as numpy)
                     m_bits = (tl.load(blk + 2, mask=n_mask, other=0).to(tl.uint16)
                               | (tl.load(blk + 3, mask=n_mask, other=0).to(tl.uint16) << 8))
@@ -183,10 +178,10 @@ def _signed32(word: int) -> int:
 _IQ4_WORDS = tuple(_signed32(sum((IQ4_NL_GRID[4 * w + i] + 128) << (8 * i) for i in range(4)))
                    for w in range(4))
 
-# byte offset of the quants in a block (sub-block 0's low bits, for Q2_K .. Q5_K); 2 otherwise
-# (Q6_K's offsets are in the kernel)
-_QS_OFFSET = {QType.Q4_1: 4, QType.Q5_0: 6, QType.Q5_1: 8, QType.Q2_K: 16, QType.Q3_K: 32,
-              QType.Q4_K: 16, QType.Q5_K: 48}
+# byte offset of the quants in a block (sub-block 0's low bits, for Q2_K .. Q5_K and IQ4_XS);
+# 2 otherwise (Q6_K's offsets are in the kernel)
+_QS_OFFSET = {QType.Q4_1: 4, QType.Q5_0: 6, QType.Q5_1: 8, QType.IQ4_XS: 8, QType.Q2_K: 16,
+              QType.Q3_K: 32, QType.Q4_K: 16, QType.Q5_K: 48}
 
 
 def triton_packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,

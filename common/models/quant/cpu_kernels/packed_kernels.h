@@ -212,24 +212,24 @@ inline __m256i load32(const uint8_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
+// The 16 bytes at p as 32 nibble bytes: byte j's low nibble is element j, its high nibble
+// element j + 16 (Q4_0's order, which Q5_0 / Q5_1 and the IQ4 types share).
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i lo4 = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), lo4), _mm_and_si128(qs, lo4));
+}
+
 // kq_quant for all 32 weights of sub-block s at once, as bytes (int8 for Q3_K and Q6_K, else
 // uint8).
 template <int64_t QT>
 inline __m256i kq_quants(const uint8_t* b, int s) {
   if constexpr (is_iq4(QT)) {  // nibbles, then each looked up in the grid (one byte shuffle)
-    const __m128i qs =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + nibble_offset<QT>(s)));
-    const __m128i lo4 = _mm_set1_epi8(0x0F);
-    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), lo4),
-                                         _mm_and_si128(qs, lo4));
     const __m256i grid =
         _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4NL)));
-    return _mm256_shuffle_epi8(grid, nib);
+    return _mm256_shuffle_epi8(grid, nibbles32(b + nibble_offset<QT>(s)));
   } else if constexpr (is_q5(QT)) {  // nibbles, then bit i of qh as bit 4 of byte i (llama.cpp)
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + q5_qs<QT>()));
-    const __m128i lo4 = _mm_set1_epi8(0x0F);
-    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), lo4),
-                                         _mm_and_si128(qs, lo4));
+    const __m256i nib = nibbles32(b + q5_qs<QT>());
     uint32_t qh;
     std::memcpy(&qh, b + q5_qh<QT>(), 4);
     const __m256i spread = _mm256_shuffle_epi8(  // byte i <- qh byte i / 8
@@ -501,10 +501,10 @@ inline void dot_tile(const Gemm& g, int64_t n, int64_t m0) {
 // Q4_0 / Q4_1 / IQ4_NL / IQ4_XS (and Q5_0 / Q5_1: q5_lut_weights) at few activation rows
 // (decode, AVX-512) by table lookup. A (sub-)block's 16 possible weights are one vector,
 // table[q] = fma(d, q, m) (Q4_1), d * (q - 8) (Q4_0) or d_s * grid[q] (IQ4_NL, IQ4_XS): the
-// values expand() computes per element, bit for bit. Each weight is then one lane of a vpermps (which reads only the low 4
-// bits of each index lane, so the widened bytes index the low nibbles unmasked): 1 widening, 1
-// shift, 2 permutes and 1 FMA per 32 weights, where converting the nibbles to floats took ~3x
-// the uops.
+// values expand() computes per element, bit for bit. Each weight is then one lane of a vpermps
+// (which reads only the low 4 bits of each index lane, so the widened bytes index the low
+// nibbles unmasked): 1 widening, 1 shift, 2 permutes and 1 FMA per 32 weights, where
+// converting the nibbles to floats took ~3x the uops.
 // The table's d (and m) come straight from the block header: one 4-byte broadcast [d, m], one
 // conversion, two in-lane shuffles (d in every lane, m in every lane). On the Zen 5 this ran
 // 1.2-1.4x faster (30 SmolLM2 layers at M = 1) than widening a row's scales into a buffer
