@@ -54,6 +54,20 @@ def make_weight(qtype: QType, n: int, k: int, seed: int = 0) -> tuple[PackedWeig
     return PackedWeight.from_numpy(qtype, packed, k), torch.from_numpy(ref.copy())
 
 
+def weights_read_one_hot(native, w: PackedWeight, m: int) -> torch.Tensor:
+    """The [N, K] weights the native GEMM multiplies by, read back m columns per call: one-hot
+    activation rows make each output one weight times 1 plus zeros, so exactly that weight
+    (+0 for -0), whichever path the build takes at m rows."""
+    n, k = w.data.shape[0], w.in_features
+    got = torch.empty(n, k)
+    for k0 in range(0, k, m):
+        cols = torch.arange(k0, min(k0 + m, k))
+        x = torch.zeros(len(cols), k)
+        x[torch.arange(len(cols)), cols] = 1.0
+        got[:, cols] = native.packed_gemm(x, w.data, int(w.qtype)).T
+    return got
+
+
 def reference(x, w_fp32, bias=None, residual=None):
     y = x.double() @ w_fp32.double().T
     if bias is not None:

@@ -15,7 +15,8 @@ import torch
 from pdserve.common.models.quant import gemm
 from pdserve.common.models.quant.cpu_native import load_packed_kernels
 from pdserve.common.models.quant.packed import PackedWeight, QType
-from pdserve.tests.unit.packed_helpers import LARGE_M, make_weight, reference, tol
+from pdserve.tests.unit.packed_helpers import (LARGE_M, make_weight, reference, tol,
+                                               weights_read_one_hot)
 
 torch.set_num_threads(2)
 QTYPES = [QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.IQ4_NL]
@@ -53,15 +54,9 @@ def test_decode_kernel_weights_are_bit_identical_to_gguf(qtype, m):
     whichever build runs here (test_packed_gemm_narrow_isa.py runs this under AVX2 and scalar)."""
     native = load_packed_kernels()
     assert native is not None, "the packed kernels must build on this machine"
-    n, k = 21, 608  # 19 blocks a row: an odd block count and a partial vector of scales
-    w, ref = make_weight(qtype, n, k, seed=m)
-    got = torch.empty(n, k)
-    for k0 in range(0, k, m):
-        cols = torch.arange(k0, min(k0 + m, k))
-        x = torch.zeros(len(cols), k)
-        x[torch.arange(len(cols)), cols] = 1.0
-        got[:, cols] = native.packed_gemm(x, w.data, int(qtype)).T
-    assert torch.equal(got, ref)
+    # 19 blocks a row: an odd block count and a partial vector of scales
+    w, ref = make_weight(qtype, 21, 608, seed=m)
+    assert torch.equal(weights_read_one_hot(native, w, m), ref)
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)

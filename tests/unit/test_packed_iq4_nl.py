@@ -120,22 +120,6 @@ def test_quantizers_want_whole_blocks():
         quantize_iq4_xs(np.zeros((2, 288), np.float32))
 
 
-@pytest.mark.parametrize("qtype,k", [(QType.Q4_0, 576), (QType.Q4_1, 576), (QType.Q5_0, 576),
-                                     (QType.Q5_1, 576), (QType.IQ4_NL, 576),
-                                     (QType.IQ4_XS, 512)], ids=lambda v: getattr(v, "name", v))
-@pytest.mark.parametrize("m", [1, 2, 3, 5])
-def test_native_gemm_reads_each_weight_exactly(qtype, k, m):
-    """One-hot activation rows make each output one weight: the table lookups (M < 4 on
-    AVX-512: 16 entries for the 4-bit types, 32 for Q5_0 / Q5_1) and the panel path give
-    gguf-py's values bit for bit, not just within a summation-order tolerance."""
-    w, ref = make_kquant_weight(qtype, 37, k, seed=m)
-    cols = torch.tensor([(97 * i + 5) % k for i in range(m)])
-    x = torch.zeros(m, k)
-    x[torch.arange(m), cols] = 1.0
-    out = load_packed_kernels().packed_gemm(x, w.data, int(qtype))
-    assert torch.equal(out, ref[:, cols].T.contiguous())
-
-
 def test_quantizers_refuse_what_an_fp16_scale_cannot_hold():
     x = np.random.default_rng(3).standard_normal((1, 256)).astype(np.float32)
     for quantize in (quantize_iq4_nl, quantize_iq4_xs):

@@ -24,7 +24,7 @@ from pdserve.common.models.quant.triton_gemm import triton_packed_linear
 from pdserve.common.models.registry import expand_weights, model_fingerprint
 from pdserve.tests.unit.kquant_helpers import KQUANTS, make_kquant_weight, random_kquant_rows
 from pdserve.tests.unit.packed_helpers import (LARGE_M, assert_same_greedy, engine, reference, tol,
-                                               write_tiny_llama_gguf)
+                                               weights_read_one_hot, write_tiny_llama_gguf)
 
 torch.set_num_threads(2)
 IDS = dict(ids=lambda q: q.name)
@@ -64,6 +64,18 @@ def test_native_kernel_matches_fp32_gemm(qtype, m, n, k):
     torch.testing.assert_close(native.packed_gemm(x, w.data, int(qtype)), reference(x, ref), **t)
     torch.testing.assert_close(native.packed_gemm(x, w.data, int(qtype), bias, residual),
                                reference(x, ref, bias, residual), **t)
+
+
+@pytest.mark.parametrize("qtype", KQUANTS, **IDS)
+@pytest.mark.parametrize("m", [1, 2, 3, 5])
+def test_native_gemm_reads_each_weight_exactly(qtype, m):
+    """Every weight read back through one-hot activations (weights_read_one_hot): the few-row
+    paths (on AVX-512 the table lookups, 16 entries for the 4-bit types and Q4_K, 32 for Q5_0 /
+    Q5_1 / Q5_K; the super-block scales computed once per super-block) and the panel path (5
+    rows) give gguf-py's values bit for bit, not just within a summation-order tolerance. (The
+    32-weight block types: test_packed_gemm's test_decode_kernel_weights_are_bit_identical.)"""
+    w, ref = make_kquant_weight(qtype, 37, 512, seed=m)
+    assert torch.equal(weights_read_one_hot(load_packed_kernels(), w, m), ref)
 
 
 @pytest.mark.parametrize("qtype", KQUANTS, **IDS)

@@ -44,7 +44,8 @@
 //
 // ISA: AVX-512 (16 lanes), AVX2 + FMA (8 lanes) or plain C++, chosen at build time by the
 // compile flags (quant/cpu_native.py). The K-quant bit unpacking is AVX2 code (256-bit byte
-// ops) in both vector builds; AVX-512 widens its bytes to 16-lane floats. Threads:
+// ops, and a super-block's scales at once: super_scales) in both vector builds; AVX-512 widens
+// its bytes to 16-lane floats. Threads:
 // at::parallel_for over output rows (OpenMP).
 
 

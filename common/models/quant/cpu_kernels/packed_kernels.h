@@ -257,10 +257,101 @@ inline __m256i kq_quants(const uint8_t* b, int s) {
     return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
   }
 }
+
+// A super-block's scales, all computed at once with vector integer ops (where the expansion
+// took them one at a time: a scalar unpack, a half conversion and a broadcast per 16 or 32
+// weights). d[i] multiplies weights 16 i .. 16 i + 15 (Q2_K, Q3_K, Q6_K) or sub-block i's 32
+// (Q4_K, Q5_K, IQ4_XS; i < 8); nm[i] is the matching negated min (Q2_K, Q4_K, Q5_K). Each is
+// the value k16_scale, q2k_min, kq_scale_min or iq4_scale gives, bit for bit: a half times a
+// small integer, exact in fp32 (and so is the negation).
+// At few rows (dot_tile, dot_q4_lut) they are computed one super-block ahead into a second
+// SuperScales: read right after this vector store, each scalar broadcast waited on store-to-
+// load forwarding, and ahead the whole Q2_K batch-1 step ran 1.03x faster (bench/kernel_ab.py,
+// Zen 5); held in registers instead (a vpermps per broadcast) Q2_K and Q6_K lost their gain.
+struct SuperScales {
+  alignas(32) float d[16];
+  alignas(32) float nm[16];
+};
+
+inline __m256i widen8(const uint8_t* p) {  // 8 bytes as uint32 lanes
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline void store_scaled(float* out, float d, __m256i q) {  // out[0 .. 8) = d * q
+  _mm256_store_ps(out, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q)));
+}
+
+template <int64_t QT>
+inline void super_scales(const uint8_t* b, SuperScales& o) {
+  const __m256i lo4 = _mm256_set1_epi32(15);
+  if constexpr (QT == kQ6_K) {  // int8 scales at 192, d at 208
+    for (int h = 0; h < 2; ++h) {
+      const auto* p = reinterpret_cast<const __m128i*>(b + 192 + 8 * h);
+      store_scaled(o.d + 8 * h, half_at(b + 208), _mm256_cvtepi8_epi32(_mm_loadl_epi64(p)));
+    }
+  } else if constexpr (QT == kQ2_K) {  // byte i: scale (low nibble), min (high); d, dmin at 80
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = widen8(b + 8 * h);
+      store_scaled(o.d + 8 * h, half_at(b + 80), _mm256_and_si256(v, lo4));
+      store_scaled(o.nm + 8 * h, -half_at(b + 82), _mm256_srli_epi32(v, 4));
+    }
+  } else if constexpr (QT == kQ3_K) {
+    // scale i: low 4 bits from byte 96 + i % 8 (nibble i / 8), high 2 from bits
+    // 8 (i % 4) + 2 (i / 4) of bytes 104 .. 107 read as one little-endian word; bias 32
+    const __m256i lo = widen8(b + 96);
+    uint32_t hbits;
+    std::memcpy(&hbits, b + 104, 4);
+    const __m256i shift = _mm256_setr_epi32(0, 8, 16, 24, 2, 10, 18, 26);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l = h ? _mm256_srli_epi32(lo, 4) : _mm256_and_si256(lo, lo4);
+      const __m256i hi = _mm256_and_si256(
+          _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(hbits)),
+                            _mm256_add_epi32(shift, _mm256_set1_epi32(4 * h))),
+          _mm256_set1_epi32(3));
+      store_scaled(o.d + 8 * h, half_at(b + 108),
+                   _mm256_sub_epi32(_mm256_or_si256(l, _mm256_slli_epi32(hi, 4)),
+                                    _mm256_set1_epi32(32)));
+    }
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    // the 12 scale bytes p = b + 4: sub-block s < 4 has sc = p[s] & 63, m = p[s + 4] & 63;
+    // s >= 4 sc = (p[s + 4] & 15) | (p[s - 4] >> 6) << 4, m = (p[s + 4] >> 4) | (p[s] >> 6) << 4
+    const __m256i a = widen8(b + 4), c = widen8(b + 8);  // lane s: p[s], p[s + 4]
+    const __m256i a4 = _mm256_permutevar8x32_epi32(a, _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3));
+    const __m256i six = _mm256_set1_epi32(63);
+    const __m256i sc = _mm256_blend_epi32(
+        _mm256_and_si256(a, six),
+        _mm256_or_si256(_mm256_and_si256(c, lo4), _mm256_slli_epi32(_mm256_srli_epi32(a4, 6), 4)),
+        0xF0);
+    const __m256i m = _mm256_blend_epi32(
+        _mm256_and_si256(c, six),
+        _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_slli_epi32(_mm256_srli_epi32(a, 6), 4)),
+        0xF0);
+    store_scaled(o.d, half_at(b), sc);
+    store_scaled(o.nm, -half_at(b + 2), m);
+  } else {
+    static_assert(QT == kIQ4_XS, "super_scales: a type with super-blocks");
+    // sub-block s: the low 4 bits are bits 4 s of scales_l's 32 bits, the high 2 bits 2 s of
+    // scales_h's 16 (little-endian); bias 32. Against iq4_scale per sub-block, a SmolLM2 whose
+    // ffn_down is IQ4_XS ran its whole batch-1 step 1.10x faster (bench/kernel_ab.py, Zen 5).
+    uint16_t h;
+    uint32_t l;
+    std::memcpy(&h, b + 2, 2);
+    std::memcpy(&l, b + 4, 4);
+    const __m256i lo = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(l)),
+                          _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)), lo4);
+    const __m256i hi = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32(h), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+        _mm256_set1_epi32(3));
+    store_scaled(o.d, half_at(b), _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)),
+                                                   _mm256_set1_epi32(32)));
+  }
+}
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
 template <int64_t QT, typename V>
-inline void expand_k(const uint8_t* b, int s, V* w);
+inline void expand_k(const uint8_t* b, int s, V* w, const SuperScales& sc);
+#endif
 
 #if defined(__AVX512F__)
 constexpr int VL = 16;
@@ -282,10 +373,11 @@ inline __m128i lane_bytes(__m256i q, int j) {
 }
 inline vec vset1(float f) { return _mm512_set1_ps(f); }
 
+// (sub-)block s of the block at b into w; sc: the block's super_scales (the super-block types)
 template <int64_t QT>
-inline void expand(const uint8_t* b, int s, vec* w) {  // 2 vectors
+inline void expand(const uint8_t* b, int s, vec* w, const SuperScales& sc) {  // 2 vectors
   if constexpr (byte_quants(QT)) {
-    expand_k<QT>(b, s, w);
+    expand_k<QT>(b, s, w, sc);
     return;
   }
   const vec d = _mm512_set1_ps(half_at(b));
@@ -339,9 +431,9 @@ inline __m128i lane_bytes(__m256i q, int j) {
 inline vec vset1(float f) { return _mm256_set1_ps(f); }
 
 template <int64_t QT>
-inline void expand(const uint8_t* b, int s, vec* w) {  // 4 vectors
+inline void expand(const uint8_t* b, int s, vec* w, const SuperScales& sc) {  // 4 vectors
   if constexpr (byte_quants(QT)) {
-    expand_k<QT>(b, s, w);
+    expand_k<QT>(b, s, w, sc);
     return;
   }
 #if defined(__F16C__)
@@ -394,28 +486,27 @@ inline void expand(const uint8_t* b, int s, vec* w) {  // 4 vectors
 // K-quant or IQ4_XS sub-block s (or a Q5_0 / Q5_1 / IQ4_NL block): unpack its 32 quant bytes
 // (AVX2 byte ops, either vector build), widen them to 32 / VL vectors and scale:
 // fma(d * sc, q, -(dmin * m)), or Q3_K's and Q6_K's (d * scale) * q, or the IQ4 types'
-// d_s * grid[q]; Q2_K, Q3_K and Q6_K change scale every 16 weights.
+// d_s * grid[q]; Q2_K, Q3_K and Q6_K change scale every 16 weights. The super-block types'
+// scales come from sc.
 template <int64_t QT, typename V>
-inline void expand_k(const uint8_t* b, int s, V* w) {
+inline void expand_k(const uint8_t* b, int s, V* w, const SuperScales& sc) {
   const __m256i q = kq_quants<QT>(b, s);
   if constexpr (QT == kQ5_0 || is_iq4(QT)) {  // d * q, exact
-    const V d = vset1(QT == kQ5_0 ? half_at(b) : iq4_scale<QT>(b, s));
+    const V d = vset1(QT == kIQ4_XS ? sc.d[s] : half_at(b));
     for (int j = 0; j < QK / VL; ++j) w[j] = vmul(d, i8_to_f(lane_bytes(q, j)));
   } else if constexpr (QT == kQ5_1) {  // fma(d, q, m): one rounding, as numpy's d * q + m
     const V d = vset1(half_at(b)), m = vset1(half_at(b + 2));
     for (int j = 0; j < QK / VL; ++j) w[j] = vfma(d, u8_to_f(lane_bytes(q, j)), m);
   } else if constexpr (QT == kQ6_K || QT == kQ3_K) {
     for (int j = 0; j < QK / VL; ++j)
-      w[j] = vmul(vset1(k16_scale<QT>(b, 2 * s + j * VL / 16)), i8_to_f(lane_bytes(q, j)));
+      w[j] = vmul(vset1(sc.d[2 * s + j * VL / 16]), i8_to_f(lane_bytes(q, j)));
   } else if constexpr (QT == kQ2_K) {
     for (int j = 0; j < QK / VL; ++j) {
       const int i = 2 * s + j * VL / 16;
-      w[j] = vfma(vset1(k16_scale<QT>(b, i)), u8_to_f(lane_bytes(q, j)), vset1(-q2k_min(b, i)));
+      w[j] = vfma(vset1(sc.d[i]), u8_to_f(lane_bytes(q, j)), vset1(sc.nm[i]));
     }
   } else {
-    float ds, ms;
-    kq_scale_min(b, s, ds, ms);
-    const V d = vset1(ds), m = vset1(-ms);
+    const V d = vset1(sc.d[s]), m = vset1(sc.nm[s]);
     for (int j = 0; j < QK / VL; ++j) w[j] = vfma(d, u8_to_f(lane_bytes(q, j)), m);
   }
 }
@@ -479,10 +570,17 @@ inline void dot_tile(const Gemm& g, int64_t n, int64_t m0) {
     for (int j = 0; j < NV; ++j) acc[r][j] = vzero();
   const uint8_t* wr = g.w + n * g.row_bytes;
   const int64_t nb = g.K / block_size(QT);
+  SuperScales sc[2];  // super-block b's in sc[b % 2], computed a super-block ahead
+  if constexpr (subs(QT) > 1) super_scales<QT>(wr, sc[0]);
   for (int64_t b = 0; b < nb; ++b) {
+    if constexpr (subs(QT) > 1) {
+      if (b + 1 < nb) super_scales<QT>(wr + (b + 1) * block_bytes(QT), sc[(b + 1) % 2]);
+    }
+    // unrolled, s is a constant: Q6_K's and Q3_K's bit shifts become immediates (Q6_K 1.13x)
+#pragma GCC unroll 8
     for (int s = 0; s < subs(QT); ++s) {
       vec w[NV];
-      expand<QT>(wr + b * block_bytes(QT), s, w);
+      expand<QT>(wr + b * block_bytes(QT), s, w, sc[b % 2]);
       for (int r = 0; r < R; ++r) {
         const float* xr = g.x + (m0 + r) * g.sx + (b * subs(QT) + s) * QK;
         for (int j = 0; j < NV; ++j) acc[r][j] = vfma(w[j], vload(xr + j * VL), acc[r][j]);
@@ -498,13 +596,13 @@ inline void dot_tile(const Gemm& g, int64_t n, int64_t m0) {
 
 
 #if defined(__AVX512F__)
-// Q4_0 / Q4_1 / IQ4_NL / IQ4_XS (and Q5_0 / Q5_1: q5_lut_weights) at few activation rows
-// (decode, AVX-512) by table lookup. A (sub-)block's 16 possible weights are one vector,
-// table[q] = fma(d, q, m) (Q4_1), d * (q - 8) (Q4_0) or d_s * grid[q] (IQ4_NL, IQ4_XS): the
-// values expand() computes per element, bit for bit. Each weight is then one lane of a vpermps
-// (which reads only the low 4 bits of each index lane, so the widened bytes index the low
-// nibbles unmasked): 1 widening, 1 shift, 2 permutes and 1 FMA per 32 weights, where
-// converting the nibbles to floats took ~3x the uops.
+// Q4_0 / Q4_1 / IQ4_NL / IQ4_XS (and Q5_0 / Q5_1: q5_lut_weights; Q4_K / Q5_K:
+// kq4_lut_pair) at few activation rows (decode, AVX-512) by table lookup. A (sub-)block's 16
+// possible weights are one vector, table[q] = fma(d, q, m) (Q4_1), d * (q - 8) (Q4_0) or
+// d_s * grid[q] (IQ4_NL, IQ4_XS): the values expand() computes per element, bit for bit.
+// Each weight is then one lane of a vpermps (which reads only the low 4 bits of each index
+// lane, so the widened bytes index the low nibbles unmasked): 1 widening, 1 shift, 2 permutes
+// and 1 FMA per 32 weights, where converting the nibbles to floats took ~3x the uops.
 // The table's d (and m) come straight from the block header: one 4-byte broadcast [d, m], one
 // conversion, two in-lane shuffles (d in every lane, m in every lane). On the Zen 5 this ran
 // 1.2-1.4x faster (30 SmolLM2 layers at M = 1) than widening a row's scales into a buffer
@@ -520,28 +618,6 @@ inline vec q4_table_d(const uint8_t* b, vec& m) {  // -> d in every lane; m: m i
   const vec both = _mm512_cvtph_ps(_mm256_set1_epi32(static_cast<int>(dm)));  // [d, m, d, m ..]
   m = _mm512_permute_ps(both, 0x55);
   return _mm512_permute_ps(both, 0x00);
-}
-
-// An IQ4_XS super-block's 8 sub-block scales d * (ls - 32) (each what iq4_scale gives), at once.
-// Against iq4_scale per sub-block, a SmolLM2 whose ffn_down is IQ4_XS ran its whole batch-1
-// step 1.10x faster (bench/kernel_ab.py, Zen 5, 9 of 12 rounds). In little-endian order
-// sub-block s's low 4 bits are bits 4 s of scales_l's 32 bits, its high 2 bits 2 s of
-// scales_h's 16.
-inline void iq4_xs_scales(const uint8_t* b, float* out) {
-  uint16_t h;
-  uint32_t l;
-  std::memcpy(&h, b + 2, 2);
-  std::memcpy(&l, b + 4, 4);
-  const __m256i lo = _mm256_and_si256(
-      _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(l)),
-                        _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
-      _mm256_set1_epi32(15));
-  const __m256i hi = _mm256_and_si256(
-      _mm256_srlv_epi32(_mm256_set1_epi32(h), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
-      _mm256_set1_epi32(3));
-  const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)),
-                                      _mm256_set1_epi32(32));
-  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(ls)));
 }
 
 // A Q5_0 / Q5_1 block's 32 weights by table lookup: its 32 possible weights are two vectors,
@@ -574,6 +650,46 @@ inline void q5_lut_weights(const uint8_t* b, __m512 iota, vec& w0, vec& w1) {
   w1 = _mm512_permutex2var_ps(lo, i1, hi);
 }
 
+// Q4_K / Q5_K sub-blocks 2c and 2c + 1 (64 weights, w[0 .. 4)) by table lookup, as Q4_1's /
+// Q5_1's: table[q] = fma(d * sc[s], q, -(dmin * m[s])), the values expand_k computes, 16
+// entries (Q4_K) or 32 (Q5_K: vpermt2ps, bit s of qh[i] as bit 4 of element i's index, taken
+// to a mask register by one shift and a byte movemask). The two sub-blocks share their 32
+// nibble bytes (low nibbles, then high), so a pair is widened once: per sub-block at a time
+// the widenings and shifts doubled, and Q4_K ran slower than Q4_1's lookup.
+template <int64_t QT>
+inline void kq4_lut_pair(const uint8_t* b, int c, const SuperScales& sc, __m512 iota, vec* w) {
+  const uint8_t* qs = b + (QT == kQ4_K ? 16 : 48) + 32 * c;
+  const __m512i q0 =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m512i q1 =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+  for (int h = 0; h < 2; ++h) {
+    const int s = 2 * c + h;
+    const vec d = vset1(sc.d[s]), nm = vset1(sc.nm[s]);
+    const vec lo = _mm512_fmadd_ps(d, iota, nm);  // the weights of quants 0..15
+    if constexpr (QT == kQ4_K) {  // vpermps reads the low 4 bits: the high nibble is ignored
+      w[2 * h] = _mm512_permutexvar_ps(h ? _mm512_srli_epi32(q0, 4) : q0, lo);
+      w[2 * h + 1] = _mm512_permutexvar_ps(h ? _mm512_srli_epi32(q1, 4) : q1, lo);
+    } else {
+      const vec hi = _mm512_fmadd_ps(d, _mm512_add_ps(iota, _mm512_set1_ps(16.f)), nm);
+      const auto qh = static_cast<uint32_t>(
+          _mm256_movemask_epi8(_mm256_sll_epi16(load32(b + 16), _mm_cvtsi32_si128(7 - s))));
+      const __m512i lo4 = _mm512_set1_epi32(15), bit4 = _mm512_set1_epi32(16);
+      const __m512i i0 = h ? _mm512_srli_epi32(q0, 4) : _mm512_and_si512(q0, lo4);
+      const __m512i i1 = h ? _mm512_srli_epi32(q1, 4) : _mm512_and_si512(q1, lo4);
+      w[2 * h] = _mm512_permutex2var_ps(
+          lo, _mm512_mask_or_epi32(i0, static_cast<__mmask16>(qh), i0, bit4), hi);
+      w[2 * h + 1] = _mm512_permutex2var_ps(
+          lo, _mm512_mask_or_epi32(i1, static_cast<__mmask16>(qh >> 16), i1, bit4), hi);
+    }
+  }
+}
+
+// the types dot_q4_lut reads by table lookup
+constexpr bool lut_path(int64_t qt) {
+  return lut4(qt) || is_q5(qt) || qt == kQ4_K || qt == kQ5_K;
+}
+
 // Rows m0 .. m0 + R of output column n. Two blocks per iteration into separate accumulators,
 // so consecutive blocks' FMA chains overlap.
 template <int64_t QT, int R>
@@ -588,37 +704,56 @@ inline void dot_q4_lut(const Gemm& g, int64_t n, int64_t m0) {
     for (int j = 0; j < 4; ++j) acc[r][j] = vzero();
   const uint8_t* wr = g.w + n * g.row_bytes;
   const int64_t nb = g.K / QK;
-  float xs_scales[8];  // IQ4_XS: the current super-block's sub-block scales
-  auto block = [&](int64_t i, int a) {  // (sub-)block i of the row
+  // IQ4_XS, Q4_K, Q5_K: super-block j's scales in sc[j % 2], computed a super-block ahead
+  SuperScales sc[2];
+  auto scales_ahead = [&](int64_t i) {  // (sub-)block i: the next super-block's scales
+    if constexpr (subs(QT) > 1) {
+      const int64_t j = i / subs(QT);
+      if (i % subs(QT) == 0 && (j + 1) * subs(QT) < nb)
+        super_scales<QT>(wr + (j + 1) * block_bytes(QT), sc[(j + 1) % 2]);
+    }
+  };
+  if constexpr (subs(QT) > 1) super_scales<QT>(wr, sc[0]);
+  auto block = [&](int64_t i, vec* w) {  // (sub-)block i of the row -> w[0 .. 2)
     const uint8_t* b = wr + i / subs(QT) * block_bytes(QT);
     const int s = static_cast<int>(i % subs(QT));
-    vec w0, w1;
+    if constexpr (QT == kIQ4_XS) scales_ahead(i);
     if constexpr (is_q5(QT)) {
-      q5_lut_weights<QT>(b, iota, w0, w1);
+      q5_lut_weights<QT>(b, iota, w[0], w[1]);
     } else {
       vec m;
-      if constexpr (QT == kIQ4_XS) {
-        if (s == 0) iq4_xs_scales(b, xs_scales);
-      }
-      const vec d = QT == kIQ4_XS ? vset1(xs_scales[s]) : q4_table_d<QT>(b, m);
+      const vec d = QT == kIQ4_XS ? vset1(sc[i / subs(QT) % 2].d[s]) : q4_table_d<QT>(b, m);
       const vec table = QT == kQ4_1 ? _mm512_fmadd_ps(d, lut_q, m) : _mm512_mul_ps(d, lut_q);
       const __m512i q = _mm512_cvtepu8_epi32(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + nibble_offset<QT>(s))));
-      w0 = _mm512_permutexvar_ps(q, table);
-      w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+      w[0] = _mm512_permutexvar_ps(q, table);
+      w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
     }
+  };
+  auto accumulate = [&](int64_t i, const vec* w, int nw) {  // nw vectors from (sub-)block i on
     for (int r = 0; r < R; ++r) {
       const float* xr = g.x + (m0 + r) * g.sx + i * QK;
-      acc[r][a] = vfma(w0, vload(xr), acc[r][a]);
-      acc[r][a + 1] = vfma(w1, vload(xr + VL), acc[r][a + 1]);
+      for (int j = 0; j < nw; ++j) acc[r][j] = vfma(w[j], vload(xr + j * VL), acc[r][j]);
     }
   };
   int64_t i = 0;
-  for (; i + 2 <= nb; i += 2) {
-    block(i, 0);
-    block(i + 1, 2);
+  for (; i + 2 <= nb; i += 2) {  // (sub-)blocks i, i + 1
+    vec w[4];
+    if constexpr (QT == kQ4_K || QT == kQ5_K) {  // nb is whole super-blocks: pairs only
+      scales_ahead(i);
+      kq4_lut_pair<QT>(wr + i / subs(QT) * block_bytes(QT), static_cast<int>(i % subs(QT)) / 2,
+                       sc[i / subs(QT) % 2], iota, w);
+    } else {
+      block(i, w);
+      block(i + 1, w + 2);
+    }
+    accumulate(i, w, 4);
   }
-  if (i < nb) block(i, 0);
+  if (i < nb) {
+    vec w[2];
+    block(i, w);
+    accumulate(i, w, 2);
+  }
   for (int r = 0; r < R; ++r)
     g.store(m0 + r, n, vsum(vadd(vadd(acc[r][0], acc[r][1]), vadd(acc[r][2], acc[r][3]))));
 }
@@ -639,7 +774,7 @@ void q4_lut_columns(const Gemm& g, int64_t n0, int64_t n1) {
 template <int64_t QT>
 __attribute__((noinline)) void gemm_columns(const Gemm& g, int64_t n0, int64_t n1) {
 #if defined(PDSERVE_Q4_LUT)
-  if constexpr (lut4(QT) || is_q5(QT)) {
+  if constexpr (lut_path(QT)) {
     q4_lut_columns<QT>(g, n0, n1);
     return;
   }
@@ -653,10 +788,12 @@ __attribute__((noinline)) void gemm_columns(const Gemm& g, int64_t n0, int64_t n
 
 template <int64_t QT>
 void expand_row(const uint8_t* row, int64_t K, float* out) {
+  SuperScales sc;
   for (int64_t b = 0; b < K / block_size(QT); ++b) {
+    if constexpr (subs(QT) > 1) super_scales<QT>(row + b * block_bytes(QT), sc);
     for (int s = 0; s < subs(QT); ++s) {
       vec w[NV];
-      expand<QT>(row + b * block_bytes(QT), s, w);
+      expand<QT>(row + b * block_bytes(QT), s, w, sc);
       for (int j = 0; j < NV; ++j) vstore(out + (b * subs(QT) + s) * QK + j * VL, w[j]);
     }
   }
