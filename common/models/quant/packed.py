@@ -18,6 +18,7 @@ transformers loads from the same file.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -231,10 +232,16 @@ def _expand_q5_1(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 24] -> [R, nb, 32]
     return _half(b[..., 0:2]) * _q5_quants(b, 4) + _half(b[..., 2:4])
 
 
+@functools.cache
+def _iq4_grid(device: torch.device) -> torch.Tensor:
+    """IQ4_NL_GRID as a [16] fp32 tensor on `device`, made once per device: built per call it
+    was a host-to-device copy per packed-embedding lookup where the torch path runs on CUDA."""
+    return torch.tensor(IQ4_NL_GRID, dtype=torch.float32, device=device)
+
+
 def _iq4_levels(qs: torch.Tensor) -> torch.Tensor:
     """[..., 16] nibble bytes -> [..., 32] fp32 grid levels (element j low, j + 16 high)."""
-    grid = torch.tensor(IQ4_NL_GRID, dtype=torch.float32, device=qs.device)
-    return grid[torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()]
+    return _iq4_grid(qs.device)[torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()]
 
 
 def _expand_iq4_nl(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 18] -> [R, nb, 32]
