@@ -48,10 +48,11 @@ def test_native_expansion_is_bit_identical_to_gguf(qtype):
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("m", [1, 2, 3])
 def test_decode_kernel_weights_are_bit_identical_to_gguf(qtype, m):
-    """Under 4 rows (the decode path: Q4_0 / Q4_1 by table lookup in the AVX-512 and scalar
-    builds, expanded in registers in the AVX2 build, as Q8_0 in all) with one-hot activation rows, each output is one weight times 1 plus zeros, so it is that
-    weight exactly: the kernel's weights equal gguf-py's dequantize bit for bit (+0 for -0), in
-    whichever build runs here (test_packed_gemm_narrow_isa.py runs this under AVX2 and scalar)."""
+    """Under 4 rows (the decode path: Q4_0 / Q4_1 / IQ4_NL and Q5_0 / Q5_1 by table lookup in the
+    AVX-512 build, Q4_0 / Q4_1 / IQ4_NL in the scalar build, expanded in registers in the AVX2
+    build, as Q8_0 in all), read back through one-hot activation rows: the kernel's weights
+    equal gguf-py's dequantize bit for bit (+0 for -0), in whichever build runs here
+    (test_packed_gemm_narrow_isa.py runs this under AVX2 and scalar)."""
     native = load_packed_kernels()
     assert native is not None, "the packed kernels must build on this machine"
     # 19 blocks a row: an odd block count and a partial vector of scales

@@ -22,7 +22,6 @@ from pdserve.common.models.quant.embedding import PackedEmbedding
 from pdserve.common.models.quant.packed import PackedWeight, QType
 from pdserve.common.models.registry import expand_weights
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.tests.unit.kquant_helpers import make_kquant_weight
 from pdserve.tests.unit.packed_helpers import (assert_same_greedy, engine,
                                                write_tiny_llama_gguf)
 from pdserve.tests.unit.test_packed_layer import assert_equals_module_path

@@ -66,15 +66,22 @@ def test_native_kernel_matches_fp32_gemm(qtype, m, n, k):
                                reference(x, ref, bias, residual), **t)
 
 
-@pytest.mark.parametrize("qtype", KQUANTS, **IDS)
+# every packed type on random blocks (subnormal fp16 scales and mins among them): the
+# super-block types at K = 768, three super-blocks a row, so the few-row paths' two scale
+# buffers (super_scales, computed a super-block ahead) are each refilled; the 32-weight block
+# types at SmolLM2's width
+EXACT = [(q, 768) for q in KQUANTS] + [(q, 576) for q in (
+    QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.IQ4_NL)]
+
+
+@pytest.mark.parametrize("qtype,k", EXACT, ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("m", [1, 2, 3, 5])
-def test_native_gemm_reads_each_weight_exactly(qtype, m):
-    """Every weight read back through one-hot activations (weights_read_one_hot): the few-row
-    paths (on AVX-512 the table lookups, 16 entries for the 4-bit types and Q4_K, 32 for Q5_0 /
-    Q5_1 / Q5_K; the super-block scales computed once per super-block) and the panel path (5
-    rows) give gguf-py's values bit for bit, not just within a summation-order tolerance. (The
-    32-weight block types: test_packed_gemm's test_decode_kernel_weights_are_bit_identical.)"""
-    w, ref = make_kquant_weight(qtype, 37, 512, seed=m)
+def test_native_gemm_reads_each_weight_exactly(qtype, k, m):
+    """Every weight read back through one-hot activations (weights_read_one_hot) gives gguf-py's
+    value bit for bit, not just within a summation-order tolerance: at M = 1, 2, 3 the few-row
+    paths (on AVX-512 the table lookups: 16 entries for Q4_0 / Q4_1 / IQ4_NL / IQ4_XS / Q4_K,
+    32 for Q5_0 / Q5_1 / Q5_K), at M = 5 the panel path's expansion."""
+    w, ref = make_kquant_weight(qtype, 37, k, seed=m)
     assert torch.equal(weights_read_one_hot(load_packed_kernels(), w, m), ref)
 
 

@@ -430,6 +430,7 @@ inline __m128i lane_bytes(__m256i q, int j) {
 }
 inline vec vset1(float f) { return _mm256_set1_ps(f); }
 
+// (sub-)block s of the block at b into w; sc: the block's super_scales (the super-block types)
 template <int64_t QT>
 inline void expand(const uint8_t* b, int s, vec* w, const SuperScales& sc) {  // 4 vectors
   if constexpr (byte_quants(QT)) {
@@ -598,13 +599,15 @@ inline void dot_tile(const Gemm& g, int64_t n, int64_t m0) {
 #if defined(__AVX512F__)
 // Q4_0 / Q4_1 / IQ4_NL / IQ4_XS (and Q5_0 / Q5_1: q5_lut_weights; Q4_K / Q5_K:
 // kq4_lut_pair) at few activation rows (decode, AVX-512) by table lookup. A (sub-)block's 16
-// possible weights are one vector, table[q] = fma(d, q, m) (Q4_1), d * (q - 8) (Q4_0) or
-// d_s * grid[q] (IQ4_NL, IQ4_XS): the values expand() computes per element, bit for bit.
+// possible weights are one vector, table[q] = fma(d, q, m) (Q4_1), d * (q - 8) (Q4_0),
+// d_s * grid[q] (IQ4_NL, IQ4_XS) or fma(d * sc, q, -(dmin * m)) (Q4_K): the values expand()
+// computes per element, bit for bit.
 // Each weight is then one lane of a vpermps (which reads only the low 4 bits of each index
 // lane, so the widened bytes index the low nibbles unmasked): 1 widening, 1 shift, 2 permutes
 // and 1 FMA per 32 weights, where converting the nibbles to floats took ~3x the uops.
-// The table's d (and m) come straight from the block header: one 4-byte broadcast [d, m], one
-// conversion, two in-lane shuffles (d in every lane, m in every lane). On the Zen 5 this ran
+// Q4_0's and Q4_1's d (and m) come straight from the block header: one 4-byte broadcast [d, m],
+// one conversion, two in-lane shuffles (d in every lane, m in every lane); the super-block
+// types' scales from super_scales. On the Zen 5 this ran
 // 1.2-1.4x faster (30 SmolLM2 layers at M = 1) than widening a row's scales into a buffer
 // first (copied out one row ahead, then read back as broadcasts): the buffer's copy and
 // widening cost as much as a third of a 576-wide row.
@@ -663,6 +666,7 @@ inline void kq4_lut_pair(const uint8_t* b, int c, const SuperScales& sc, __m512 
       _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
   const __m512i q1 =
       _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+  const __m256i qh_bytes = load32(b + 16);  // Q5_K: bit s of byte i is element i's fifth bit
   for (int h = 0; h < 2; ++h) {
     const int s = 2 * c + h;
     const vec d = vset1(sc.d[s]), nm = vset1(sc.nm[s]);
@@ -673,7 +677,7 @@ inline void kq4_lut_pair(const uint8_t* b, int c, const SuperScales& sc, __m512 
     } else {
       const vec hi = _mm512_fmadd_ps(d, _mm512_add_ps(iota, _mm512_set1_ps(16.f)), nm);
       const auto qh = static_cast<uint32_t>(
-          _mm256_movemask_epi8(_mm256_sll_epi16(load32(b + 16), _mm_cvtsi32_si128(7 - s))));
+          _mm256_movemask_epi8(_mm256_sll_epi16(qh_bytes, _mm_cvtsi32_si128(7 - s))));
       const __m512i lo4 = _mm512_set1_epi32(15), bit4 = _mm512_set1_epi32(16);
       const __m512i i0 = h ? _mm512_srli_epi32(q0, 4) : _mm512_and_si512(q0, lo4);
       const __m512i i1 = h ? _mm512_srli_epi32(q1, 4) : _mm512_and_si512(q1, lo4);
@@ -749,10 +753,12 @@ inline void dot_q4_lut(const Gemm& g, int64_t n, int64_t m0) {
     }
     accumulate(i, w, 4);
   }
-  if (i < nb) {
-    vec w[2];
-    block(i, w);
-    accumulate(i, w, 2);
+  if constexpr (QT != kQ4_K && QT != kQ5_K) {  // (those rows are whole super-blocks)
+    if (i < nb) {
+      vec w[2];
+      block(i, w);
+      accumulate(i, w, 2);
+    }
   }
   for (int r = 0; r < R; ++r)
     g.store(m0 + r, n, vsum(vadd(vadd(acc[r][0], acc[r][1]), vadd(acc[r][2], acc[r][3]))));
