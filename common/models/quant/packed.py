@@ -241,7 +241,7 @@ def _iq4_grid(device: torch.device) -> torch.Tensor:
 
 def _iq4_levels(qs: torch.Tensor) -> torch.Tensor:
     """[..., 16] nibble bytes -> [..., 32] fp32 grid levels (element j low, j + 16 high)."""
-    return _iq4_grid(qs.device)[torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()]
+    return _iq4_grid(qs.device)[_nibble_codes(qs).long()]
 
 
 def _expand_iq4_nl(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 18] -> [R, nb, 32]
@@ -258,9 +258,14 @@ def _expand_iq4_xs(b: torch.Tensor) -> torch.Tensor:  # [R, nb, 136] -> [R, nb, 
     return (dl.unsqueeze(-1) * levels).flatten(-2)  # exact too: at most 23 significant bits
 
 
+def _nibble_codes(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32] uint8: element j low nibble, j + 16 high nibble."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[..., 16] bytes -> [..., 32] fp32: element j low nibble, j + 16 high nibble."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+    """[..., 16] bytes -> [..., 32] fp32 nibbles (_nibble_codes' order)."""
+    return _nibble_codes(qs).float()
 
 
 def _kquant_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
