@@ -40,7 +40,8 @@ def _half(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=IDS)
-@pytest.mark.parametrize("head_dim,block_size,group", [(64, 16, 3), (128, 32, 1), (36, 8, 2)])
+@pytest.mark.parametrize("head_dim,block_size,group",
+                         [(64, 16, 3), (128, 32, 1), (36, 8, 2), (80, 16, 3)])
 def test_paged_decode_reads_a_half_cache(kernels, dtype, head_dim, block_size, group):
     lens = [1, block_size + 1, 3 * block_size + 7, 300]
     q, kv, meta = make_decode_batch(lens, head_dim, block_size, group)

@@ -25,9 +25,10 @@ from pdserve.common.attention.torch_backend import TorchAttentionBackend, _decod
 TOL = dict(atol=1e-5, rtol=1e-4)
 NUM_KV_HEADS = 2
 # groups 4 and 12: the AVX2 value loop's 16-lane pass at its widest (4 heads) and after an
-# 8-head chunk; head_dim 72: its 8-lane tail after the 32-lane passes (3 heads)
+# 8-head chunk; head_dim 72: its 8-lane tail after the 32-lane passes (3 heads); head_dim 80:
+# the AVX-512 value loop's four-chunk pass, then one 16-lane chunk (3 heads)
 SHAPES = ([(d, bs, g) for d in (64, 128) for bs in (16, 32) for g in (1, 3, 4, 8)]
-          + [(64, 16, 12), (72, 16, 3)])
+          + [(64, 16, 12), (72, 16, 3), (80, 16, 3)])
 SHAPE_IDS = [f"d{d}-bs{bs}-gqa{g}" for d, bs, g in SHAPES]
 
 
